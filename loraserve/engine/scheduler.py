@@ -1,0 +1,145 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
+1. Running sequences first, oldest first: a decode takes 1 token, a prompt still
+   in prefill takes the next chunk. If KV blocks run out, the newest running
+   sequence is preempted (blocks freed, recomputed later from the start).
+2. Then waiting sequences, first come first served, while budget, blocks and
+   sequence slots last. A step holds at most `max_loras` distinct adapters: a
+   waiting request whose adapter does not fit blocks the requests behind it
+   that need an adapter (no starvation: running adapters drain, a slot frees),
+   while base-model requests, which take no slot, may pass it.
+"""
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from loraserve.config import SchedulerConfig
+from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.request import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence and so samples a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int,
+                 pinned_loras: set[str] | None = None):
+        self.config = config
+        self.block_manager = block_manager
+        self.max_loras = max_loras
+        self.pinned_loras = pinned_loras if pinned_loras is not None else set()  # always hold a slot
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
+
+    # -- queue management -------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def running_loras(self) -> set[str]:
+        return set(self._running_loras)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out of the queues (finished or aborted) and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._drop_lora(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # -- one step ---------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: it was the newest
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+            i += 1
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        adapter_blocked = False
+        admitted: list[Sequence] = []
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
+                break
+            if seq.lora_name is not None:
+                if adapter_blocked:
+                    continue
+                resident = self._running_loras.keys() | self.pinned_loras
+                if seq.lora_name not in resident and len(resident) >= self.max_loras:
+                    adapter_blocked = True
+                    continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+                break
+            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            seq.status = SequenceStatus.RUNNING
+            if seq.lora_name is not None:
+                self._running_loras[seq.lora_name] += 1
+            admitted.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+        for seq in admitted:
+            self.waiting.remove(seq)
+            self.running.append(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._drop_lora(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _drop_lora(self, seq: Sequence) -> None:
+        if seq.lora_name is not None:
+            self._running_loras[seq.lora_name] -= 1
+            if self._running_loras[seq.lora_name] <= 0:
+                del self._running_loras[seq.lora_name]

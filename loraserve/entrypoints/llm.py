@@ -1,0 +1,98 @@
+"""The offline API: LLM(...).generate(prompts) and LLM(...).chat(messages)."""
+from __future__ import annotations
+
+import itertools
+
+from loraserve.engine.engine import LLMEngine
+from loraserve.lora.request import LoRARequest
+from loraserve.outputs import RequestOutput
+from loraserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """A model ready to generate; `model=None` loads the built-in default (SmolLM2-135M-Instruct).
+
+    Extra keyword options go to LLMEngine (enable_lora, max_loras, max_lora_rank,
+    max_cpu_loras, block_size, max_num_batched_tokens, gpu_memory_utilization, ...).
+    """
+
+    def __init__(self, model: str | None = None, *, device=None, dtype=None, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, enforce_eager: bool = False, seed: int = 0, **engine_options):
+        self.engine = LLMEngine(model, device=device, dtype=dtype, max_model_len=max_model_len,
+                                max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=seed, **engine_options)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
+
+        A prompt is a string or {"prompt_token_ids": [...]}; sampling_params and
+        lora_request may be one for all prompts or a list with one per prompt.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        n = len(prompts)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), n, "sampling_params")
+        loras = _per_prompt(lora_request, n, "lora_request")
+        ids = [f"gen-{next(self._ids)}" for _ in range(n)]
+        added = []
+        try:
+            for rid, prompt, p, lora in zip(ids, prompts, params, loras):
+                self.engine.add_request(rid, prompt, p, lora)
+                added.append(rid)
+        except Exception:
+            for rid in added:
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": _as_ids(tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, tokenize=True))} for conv in conversations]
+        return self.generate(prompts, sampling_params, lora_request)
+
+    def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
+        self.engine.add_lora(lora_request, pinned)
+
+    def remove_lora(self, name: str) -> None:
+        self.engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [final[i] for i in ids]
+
+
+def _per_prompt(value, n: int, what: str) -> list:
+    if isinstance(value, list):
+        if len(value) != n:
+            raise ValueError(f"{what} has {len(value)} entries for {n} prompts")
+        return value
+    return [value] * n
+
+
+def _as_ids(encoded) -> list[int]:
+    """apply_chat_template(tokenize=True) returns a list, or a BatchEncoding in newer transformers."""
+    if isinstance(encoded, list):
+        return encoded
+    return list(encoded["input_ids"])

@@ -1,0 +1,89 @@
+"""`loraserve serve`: its command-line flags and the function that runs the server.
+
+SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight
+finish, stops the engine thread and returns.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from loraserve.lora.request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the flags of `loraserve serve` (named as in vLLM where vLLM has them)."""
+    parser.add_argument("--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", nargs="+", default=None,
+                        help="names the base model answers to (default: the model's name); the first is listed")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LORASERVE_API_KEY)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
+    parser.add_argument("--max-waiting-requests", type=int, default=1024,
+                        help="requests that may wait for their first token before new ones get 503")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve adapters (implied by --lora-modules and --enable-runtime-lora-updates)")
+    parser.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+                        help="adapters to register at start")
+    parser.add_argument("--max-loras", type=int, default=4, help="adapters in GPU slots at once")
+    parser.add_argument("--max-lora-rank", type=int, default=64)
+    parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters cached in CPU memory")
+    parser.add_argument("--enable-runtime-lora-updates", action="store_true",
+                        help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    parser.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                        help="runtime-loaded adapter paths must resolve inside DIR (repeatable)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Build the engine, register --lora-modules, serve until SIGTERM/SIGINT, then drain and stop."""
+    import uvicorn
+
+    from loraserve.engine.async_engine import AsyncLLMEngine
+    from loraserve.engine.engine import LLMEngine
+    from loraserve.entrypoints.server import ServerSettings, build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.enable_runtime_lora_updates and not args.lora_root:
+        raise SystemExit("--enable-runtime-lora-updates needs --lora-root DIR")
+    engine = LLMEngine(
+        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
+        enable_lora=bool(args.enable_lora or args.lora_modules or args.enable_runtime_lora_updates),
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    modules = tuple((name, os.path.realpath(path)) for name, path in args.lora_modules)
+    for name, path in modules:
+        try:
+            engine.add_lora(LoRARequest(name, path))
+        except ValueError as exc:
+            raise SystemExit(f"--lora-modules {name}={path}: {exc}") from exc
+    settings = ServerSettings(
+        served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
+        enable_runtime_lora_updates=args.enable_runtime_lora_updates, lora_roots=tuple(args.lora_root),
+        lora_modules=modules)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    app = build_app(async_engine, settings)
+    async_engine.start()
+    try:
+        # uvicorn handles SIGTERM/SIGINT: it closes the listening socket and waits for open requests.
+        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    finally:
+        async_engine.shutdown(drain=True)
+        logger.info("engine stopped")

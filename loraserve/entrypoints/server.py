@@ -1,0 +1,322 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, settings)` returns its FastAPI app.
+
+Routes: /v1/completions and /v1/chat/completions (JSON, or SSE with
+`stream=true`), /v1/models, /v1/models/{id}, /v1/load_lora_adapter and
+/v1/unload_lora_adapter (only with runtime updates on), /health, /metrics.
+A client that goes away aborts its engine requests, which frees their KV
+blocks and adapter references. docs/server.md describes the API.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import hmac
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraserve.engine.async_engine import (AsyncLLMEngine, EngineClosedError, EngineStepError, GenerationRequest,
+                                           OutputStream, QueueFullError)
+from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, UNKNOWN_MODEL_LABEL, ServerMetrics, TokenTimer
+from loraserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
+                                                   LoadLoRAAdapterRequest, ResponseBuilder, UnloadLoRAAdapterRequest)
+from loraserve.errors import LoRAConflictError, PromptTooLongError, UnknownLoRAError
+from loraserve.lora.request import LoRARequest
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the app serves; the engine itself is configured separately."""
+
+    served_model_names: tuple[str, ...] = ()  # the base model's names; the first is listed (default: engine's)
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" on every /v1 route
+    enable_runtime_lora_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
+    lora_roots: tuple[str, ...] = ()  # runtime adapter paths must resolve inside one of these
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) registered at start, shown in /v1/models
+
+    def __post_init__(self) -> None:
+        if self.enable_runtime_lora_updates and not self.lora_roots:
+            raise ValueError("runtime LoRA updates need at least one lora root (--lora-root)")
+
+
+def api_error_from(exc: BaseException) -> APIError:
+    """The HTTP error for an exception from the engine or from checking a request."""
+    if isinstance(exc, APIError):
+        return exc
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, UnknownLoRAError):
+        return APIError(404, message, code="model_not_found")
+    if isinstance(exc, LoRAConflictError):
+        return APIError(409, message, code="conflict")
+    if isinstance(exc, PromptTooLongError):
+        return APIError(400, message, code="context_length_exceeded")
+    if isinstance(exc, QueueFullError):
+        return APIError(503, message, code="queue_full")
+    if isinstance(exc, EngineClosedError):
+        return APIError(503, message, code="unavailable")
+    if isinstance(exc, ValueError):
+        return APIError(400, message)
+    return APIError(500, message)
+
+
+def _outcome(status: int) -> str:
+    return "overloaded" if status == 503 else "error" if status >= 500 else "rejected"
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class APIKeyMiddleware:
+    """Plain ASGI middleware: every /v1 path needs `Authorization: Bearer <key>`; others stay open."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            given = dict(scope["headers"]).get(b"authorization")
+            if given is None or not hmac.compare_digest(given, self._expected):
+                what = "missing API key" if given is None else "incorrect API key"
+                err = APIError(401, f"{what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class _OpenAIServer:
+    """The route handlers of one app, around one AsyncLLMEngine."""
+
+    def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings):
+        self.engine = engine
+        self.settings = settings
+        self.model_names = settings.served_model_names or (engine.model_name,)
+        self.adapter_paths = dict(settings.lora_modules)
+        self.metrics = ServerMetrics()
+        self.created = int(time.time())
+        self._lora_roots = tuple(os.path.realpath(r) for r in settings.lora_roots)
+        tokenizer = engine.tokenizer
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda tid: tokenizer.decode([tid]))
+
+    # ---- generation -----------------------------------------------------------------
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        make = body.make_sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+        return await self._generate(request, body, body.prompts(), make, chat=False, arrival=arrival)
+
+    async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
+        arrival = time.perf_counter()
+        body.check_unknown_fields()
+        messages = body.check_messages()
+        prompt_ids = await self.engine.apply_chat_template(messages)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if limit is None:
+            limit = max(1, self.engine.max_model_len - len(prompt_ids))
+        make = body.make_sampling_params(limit, body.num_logprobs)
+        return await self._generate(request, body, [prompt_ids], make, chat=True, arrival=arrival)
+
+    async def _generate(self, request: Request, body, prompts: list, make, *, chat: bool, arrival: float) -> Response:
+        lora, label = (None, BASE_MODEL_LABEL) if body.model in self.model_names else (LoRARequest(body.model), body.model)
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        specs = [GenerationRequest(f"{response_id}-{i}", prompts[i // body.n], make(i), lora)
+                 for i in range(len(prompts) * body.n)]
+        try:
+            stream = await self.engine.add_requests(specs)
+        except Exception as exc:
+            err = api_error_from(exc)
+            self.metrics.record_request(UNKNOWN_MODEL_LABEL if err.status == 404 else label, _outcome(err.status))
+            raise err from exc
+        builder = ResponseBuilder(
+            chat=chat, response_id=response_id, model=body.model, created=int(time.time()), num_choices=len(specs),
+            n=body.n, num_logprobs=specs[0].params.logprobs, stop_strings=specs[0].params.stop_strings,
+            token_text=self.token_text)
+        index = {spec.request_id: i for i, spec in enumerate(specs)}
+        timer = TokenTimer(self.metrics, arrival)
+        if body.stream:
+            events = self._stream_events(stream, builder, index, timer, body.include_usage, label)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await self._complete(request, stream, builder, index, timer, label)
+
+    async def _complete(self, request: Request, stream: OutputStream, builder: ResponseBuilder,
+                        index: dict[str, int], timer: TokenTimer, label: str) -> Response:
+        async def consume() -> None:
+            async for out in stream:
+                timer.observe(out)
+                builder.accept(index[out.request_id], out.prompt_token_ids, out.outputs[0], out.error)
+
+        consumer = asyncio.ensure_future(consume())
+        watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+        try:
+            await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            consumer.cancel()
+            stream.abort()
+        if not consumer.done() or consumer.cancelled():  # the client went away first
+            self.metrics.record_request(label, "aborted")
+            return Response(status_code=499)
+        if consumer.exception() is not None:
+            err = api_error_from(consumer.exception())
+            self.metrics.record_request(label, _outcome(err.status))
+            raise err
+        self.metrics.record_request(label, "success")
+        return JSONResponse(builder.response())
+
+    async def _stream_events(self, stream: OutputStream, builder: ResponseBuilder, index: dict[str, int],
+                             timer: TokenTimer, include_usage: bool, label: str) -> AsyncIterator[str]:
+        outcome = "aborted"  # kept if the client goes away: the response task is cancelled
+        try:
+            try:
+                for chunk in builder.role_chunks():
+                    yield _sse(chunk)
+                async for out in stream:
+                    timer.observe(out)
+                    i = index[out.request_id]
+                    builder.accept(i, out.prompt_token_ids, out.outputs[0], out.error)
+                    chunk = builder.delta_chunk(i)
+                    if chunk is not None:
+                        yield _sse(chunk)
+                if include_usage:
+                    yield _sse(builder.usage_chunk())
+                outcome = "success"
+            except Exception as exc:  # the engine failed mid-stream: tell the client in the stream
+                err = api_error_from(exc)
+                outcome = _outcome(err.status)
+                yield _sse(err.body())
+            yield "data: [DONE]\n\n"
+        finally:
+            stream.abort()
+            self.metrics.record_request(label, outcome)
+
+    # ---- models and adapters ----------------------------------------------------------
+
+    def _model_card(self, name: str, parent: str | None) -> dict:
+        root = self.adapter_paths.get(name, name) if parent else name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "loraserve",
+                "root": root, "parent": parent, "max_model_len": self.engine.max_model_len}
+
+    async def list_models(self) -> dict:
+        base = self.model_names[0]
+        loras = await self.engine.list_loras()
+        return {"object": "list", "data": [self._model_card(base, None)] + [self._model_card(n, base) for n in loras]}
+
+    async def get_model(self, model_id: str) -> dict:
+        if model_id in self.model_names:
+            return self._model_card(model_id, None)
+        if model_id in await self.engine.list_loras():
+            return self._model_card(model_id, self.model_names[0])
+        raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
+
+    def _resolve_lora_path(self, path: str) -> str:
+        """The real path of an adapter folder inside a --lora-root; relative paths start at the first root."""
+        if not path:
+            raise APIError(400, "lora_path must not be empty", param="lora_path")
+        real = os.path.realpath(path if os.path.isabs(path) else os.path.join(self._lora_roots[0], path))
+        root = next((r for r in self._lora_roots if _inside(real, r)), None)
+        if root is None:
+            raise APIError(400, f"lora_path {path!r} resolves outside every --lora-root", param="lora_path",
+                           code="path_outside_lora_root")
+        if not os.path.isdir(real):
+            raise APIError(400, f"lora_path {path!r} is not a directory", param="lora_path")
+        for entry in os.scandir(real):
+            if not _inside(os.path.realpath(entry.path), root):
+                raise APIError(400, f"{entry.name!r} in lora_path {path!r} links outside --lora-root",
+                               param="lora_path", code="path_outside_lora_root")
+        return real
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> dict:
+        body.check_unknown_fields()
+        name = body.lora_name
+        if not name:
+            raise APIError(400, "lora_name must not be empty", param="lora_name")
+        if name in self.model_names:
+            raise APIError(409, f"lora_name {name!r} is the base model's name", param="lora_name", code="conflict")
+        path = self._resolve_lora_path(body.lora_path)
+        await self.engine.add_lora(LoRARequest(name, path))
+        self.adapter_paths[name] = path
+        return {"object": "lora_adapter", "id": name, "root": path, "status": "loaded"}
+
+    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> dict:
+        body.check_unknown_fields()
+        await self.engine.remove_lora(body.lora_name)
+        self.adapter_paths.pop(body.lora_name, None)
+        return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
+
+    # ---- health and metrics -----------------------------------------------------------
+
+    async def health(self) -> Response:
+        if self.engine.is_alive():
+            return Response(status_code=200)
+        return JSONResponse(APIError(503, "the engine is not running").body(), status_code=503)
+
+    async def metrics_text(self) -> Response:
+        try:
+            self.metrics.update(await self.engine.stats())
+        except EngineClosedError:
+            pass  # serve the last snapshot
+        body, content_type = self.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+
+async def _api_error_response(request: Request, exc: Exception) -> JSONResponse:
+    err = api_error_from(exc)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _validation_error_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 for a body that is not JSON or has a wrong type; 400 for a missing or bad value."""
+    errors = exc.errors()
+    wrong_type = any(e["type"] == "json_invalid" or e["type"].endswith(("_type", "_parsing"))
+                     or tuple(e["loc"]) == ("body",) for e in errors)
+    first = errors[0]
+    param = ".".join(str(x) for x in first["loc"][1:]) or None
+    message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
+    err = APIError(422 if wrong_type else 400, message, param=param)
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def _http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    """The app for an engine (the caller starts and shuts down the engine)."""
+    server = _OpenAIServer(engine, settings)
+    app = FastAPI(title="loraserve", docs_url=None, redoc_url=None)
+    if settings.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    for exc_class in (APIError, ValueError, QueueFullError, EngineClosedError, EngineStepError):
+        app.add_exception_handler(exc_class, _api_error_response)
+    app.add_exception_handler(RequestValidationError, _validation_error_response)
+    app.add_exception_handler(StarletteHTTPException, _http_error_response)
+    app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
+    app.get("/v1/models")(server.list_models)
+    app.get("/v1/models/{model_id:path}")(server.get_model)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat_completions)
+    if settings.enable_runtime_lora_updates:
+        app.post("/v1/load_lora_adapter")(server.load_lora_adapter)
+        app.post("/v1/unload_lora_adapter")(server.unload_lora_adapter)
+    return app

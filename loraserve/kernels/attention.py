@@ -1,0 +1,325 @@
+"""Triton paged attention over the KV cache: decode (split-K, graph-safe) and varlen prefill.
+
+Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, KVH, D]``;
+``block_tables[s, i]`` is the cache block of sequence s's tokens
+``i*block_size .. (i+1)*block_size-1``. Both kernels keep an fp32 online
+softmax in the base-2 domain (scores are pre-multiplied by ``scale*log2(e)``).
+Semantics match ``attention_reference.paged_attention_ref``.
+"""
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2(m_old - m_new) never sees inf - inf
+_MAX_SPLITS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel (``num_splits=None``: chosen from shapes and SM count)."""
+
+    num_splits: int | None = None
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@triton.jit
+def _attend_tile(
+    q, acc, m_i, l_i,  # q: [R, D]; acc: [R, D] fp32; m_i, l_i: [R] fp32
+    k_head_ptr, v_head_ptr, page_row_ptr,  # cache base pointers already at this KV head; block-table row
+    start, kv_end, q_pos, scale_log2,  # keys start..start+BLOCK_N-1; q_pos: [R] positions
+    stride_kb, stride_kt, stride_vb, stride_vt,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Folds keys ``start..start+BLOCK_N-1`` into the online softmax of rows ``q``."""
+    pos = start + tl.arange(0, BLOCK_N)  # [N]
+    d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        valid = pos < kv_end
+        page = tl.load(page_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        k = tl.load(k_head_ptr + page[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
+                    + d[None, :], mask=valid[:, None], other=0.0)  # [N, D]
+        v = tl.load(v_head_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt
+                    + d[None, :], mask=valid[:, None], other=0.0)  # [N, D]
+    else:
+        page = tl.load(page_row_ptr + pos // BLOCK_SIZE).to(tl.int64)
+        k = tl.load(k_head_ptr + page[:, None] * stride_kb + (pos % BLOCK_SIZE)[:, None] * stride_kt
+                    + d[None, :])  # [N, D]
+        v = tl.load(v_head_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt
+                    + d[None, :])  # [N, D]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [R, N] fp32
+    if MASKED:
+        visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [R]
+    alpha = tl.exp2(m_i - m_new)  # [R]
+    p = tl.exp2(s - m_new[:, None])  # [R, N]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+    scale_log2,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (b, kvh, split): the query heads of KV head kvh against one slice of b's context.
+
+    SPLIT=False (one split): writes the output; SPLIT=True: writes fp32 partials for the reduce.
+    """
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    # The live context (not the table width) is cut into num_splits runs of whole tiles.
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), num_splits)
+    lo = split * tiles_per_split * BLOCK_N
+    hi = tl.minimum(lo + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + g  # [G]
+    g_mask = g < GROUP
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None], other=0.0)  # [G, D]
+    q_pos = tl.full([BLOCK_G], 0, tl.int32) + seq_len - 1  # [G]
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    k_head_ptr = k_ptr + kvh * stride_kh
+    v_head_ptr = v_ptr + kvh * stride_vh
+    page_row_ptr = bt_ptr + b.to(tl.int64) * stride_btb
+    for start in range(lo, hi, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, page_row_ptr, start, hi, q_pos, scale_log2,
+            stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    if not SPLIT:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # empty context (padding row) -> zeros
+        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        # partials: acc [B, H, num_splits, D], (m, l) [B, H, num_splits, 2], contiguous
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * num_splits + split  # [G]
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+        tl.store(part_ml_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr,
+):
+    """Program (b, h): merges the split partials of one head into the output row."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, SPLITS_P2)
+    d = tl.arange(0, HEAD_DIM)
+    sp_mask = sp < num_splits
+    row = (b * tl.num_programs(1) + h) * num_splits + sp  # [P]
+    m = tl.load(part_ml_ptr + row * 2, mask=sp_mask, other=_NEG_BIG)  # [P]
+    l = tl.load(part_ml_ptr + row * 2 + 1, mask=sp_mask, other=0.0)  # [P]
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + d[None, :],
+                  mask=sp_mask[:, None], other=0.0)  # [P, D]
+    w = tl.exp2(m - tl.max(m, 0))  # [P]
+    l_tot = tl.sum(w * l, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0, l_tot, 1.0)  # [D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_btb, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Program (h, tile, s): BLOCK_M queries of sequence s, head h, against their causal context."""
+    h = tl.program_id(0)
+    tile = tl.program_id(1)
+    s = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + s)
+    q_len = tl.load(qsl_ptr + s + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + s)
+    first_pos = seq_len - q_len + tile * BLOCK_M  # context position of the tile's first query
+    kvh = h // GROUP
+
+    m_idx = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [M]
+    m_mask = m_idx < q_len
+    d = tl.arange(0, HEAD_DIM)
+    tok = (q_start + m_idx).to(tl.int64)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :],
+                mask=m_mask[:, None], other=0.0)  # [M, D]
+    q_pos = first_pos + tl.arange(0, BLOCK_M)  # [M]
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_head_ptr = k_ptr + kvh * stride_kh
+    v_head_ptr = v_ptr + kvh * stride_vh
+    page_row_ptr = bt_ptr + s.to(tl.int64) * stride_btb
+
+    # Whole key tiles before the first query are visible to every row: no masks.
+    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    for start in range(0, full_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, page_row_ptr, start, full_end, q_pos,
+            scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    for start in range(full_end, kv_end, BLOCK_N):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_head_ptr, v_head_ptr, page_row_ptr, start, kv_end, q_pos,
+            scale_log2, stride_kb, stride_kt, stride_vb, stride_vt,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    o = acc / l_i[:, None]  # every valid row sees at least key 0
+    tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"k/v caches must be [num_blocks, block_size, KVH, D] alike, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    if k_cache.shape[3] != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(k_cache.shape)}")
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype):
+        raise ValueError(f"dtypes differ: q {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}, "
+                         f"out {out.dtype}")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k_cache, v_cache, out)):
+        raise ValueError("q, caches and out need a contiguous last dimension")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+        raise ValueError("block_tables and seq_lens must be int32")
+    if block_tables.stride(-1) != 1:
+        raise ValueError("block_tables needs a contiguous last dimension")
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # 16-bit inputs ignore it
+
+
+def decode_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int,
+                      block_n: int, device: torch.device) -> int:
+    """Static split count: enough programs to fill the GPU about twice, at most one per key tile."""
+    if device.type != "cuda":
+        return 1
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    programs = batch * num_kv_heads
+    wanted = -(-2 * num_sms // programs)
+    max_tiles = -(-max_blocks * block_size // block_n)
+    return max(1, min(wanted, max_tiles, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [B, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [B, MB] int32
+    seq_lens: torch.Tensor,  # [B] int32; 0 = padding row (output zeros)
+    scale: float,
+    out: torch.Tensor,  # [B, H, D]
+    config: DecodeConfig = DecodeConfig(),
+) -> None:
+    """One query token per sequence against its whole cached context (including itself).
+
+    The grid depends only on (B, KVH, MB) and the device, and nothing syncs with
+    the host, so a captured CUDA graph can be replayed with new tables/lengths.
+    """
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    batch, num_heads, head_dim = q.shape
+    num_blocks_total, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    num_splits = config.num_splits or decode_num_splits(
+        batch, num_kv_heads, block_tables.shape[1], block_size, config.block_n, q.device)
+    if num_splits > 1:
+        part_acc = torch.empty(batch, num_heads, num_splits, head_dim,
+                               dtype=torch.float32, device=q.device)  # [B, H, S, D]
+        part_ml = torch.empty(batch, num_heads, num_splits, 2,
+                              dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
+    else:
+        part_acc = part_ml = out  # unused by the kernel when SPLIT is False
+    _decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if num_splits > 1:
+        _decode_reduce_kernel[(batch, num_heads)](
+            part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, MB] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S+1] int32
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]
+    config: PrefillConfig = PrefillConfig(),
+) -> None:
+    """Causal varlen attention of each sequence's last q_len positions over its paged context."""
+    _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
+    if query_start_loc.dtype != torch.int32:
+        raise ValueError("query_start_loc must be int32")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return
+    grid = (num_heads, math.ceil(max_query_len / config.block_m), num_seqs)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

@@ -1,0 +1,81 @@
+"""Paged KV-cache attention in plain torch: the kernels' oracle and the engine's CPU path.
+
+Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, KVH, D]``.
+A token's cache slot is ``block_id * block_size + offset``; a sequence's blocks
+are listed, in order, in its row of ``block_tables``.
+"""
+import torch
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [T, KVH, D]
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    slot_mapping: torch.Tensor,  # [T] int64, every entry a valid slot
+) -> None:
+    """Stores token t's K/V at slot ``slot_mapping[t]``.
+
+    Pure device indexing (no host sync), so it can be captured in a CUDA graph.
+    Padding tokens must point at a dummy slot the engine reserves, not at -1.
+    """
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, KVH, D]
+    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather_context(
+    cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_row: torch.Tensor,  # [MB] int32
+    seq_len: int,
+) -> torch.Tensor:
+    """Returns one sequence's first ``seq_len`` cached tokens as ``[KVH, seq_len, D]`` fp32."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_row[:num_blocks].long()  # [nb]
+    tokens = cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, KVH, D]
+    return tokens.transpose(0, 1).float()
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, MB] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S+1] int32
+    scale: float,
+) -> torch.Tensor:  # [T, H, D], dtype of q
+    """Causal varlen attention of new queries against a paged context.
+
+    Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s+1]``;
+    they are the last ``q_len`` positions of its ``seq_lens[s]`` cached tokens,
+    and the query at position p sees keys 0..p. Scores and softmax are fp32.
+    Rows of sequences with no queries are not touched (the output is zeros there).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)  # [T, H, D]
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        keys = _gather_context(k_cache, block_tables[s], seq_len)  # [KVH, L, D]
+        values = _gather_context(v_cache, block_tables[s], seq_len)  # [KVH, L, D]
+        q_seq = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        q_seq = q_seq.permute(1, 2, 0, 3)  # [KVH, G, q_len, D]
+        scores = q_seq @ keys.unsqueeze(1).transpose(-1, -2) * scale  # [KVH, G, q_len, L]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+        k_pos = torch.arange(seq_len, device=q.device)  # [L]
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, L]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)  # [KVH, G, q_len, L]
+        o = probs @ values.unsqueeze(1)  # [KVH, G, q_len, D]
+        out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out

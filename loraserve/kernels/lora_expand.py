@@ -1,0 +1,124 @@
+"""LoRA expand: y[t, n] += inter[t, s*R + :r] . B[slot_t, n, :r] for the slice s holding column n.
+
+One launch covers every slice of a packed layer (q/k/v, gate/up) and every
+slot. The grid is static: column tiles of the packed output times the same
+flat token-tile axis as the shrink (cdiv(T, BLOCK_M) + min(L, T)), mapped to
+(slot, tile within slot) in the kernel. Programs past the last tile return
+at once; the K loop runs over the slot's own rank only (in steps of BLOCK_R),
+so a rank-8 adapter in a rank-64 buffer reads and computes rank 8. A column
+tile that straddles a slice boundary handles each slice under a mask. The sum
+is added into y in place (y may be a column range of a larger tensor); rows of
+tokens without a slot are never touched.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.kernels.lora_meta import LoRAMeta
+from loraserve.kernels.lora_shrink import (DECODE_MAX_TOKENS, check_meta, dot_precision, loras_p2,
+                                           slot_tile)
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int  # tokens per tile
+    block_n: int  # output columns per tile
+    block_r: int  # ranks per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def expand_config(num_tokens: int, n_out: int) -> ExpandConfig:
+    """The static kernel shape for T tokens and N packed output columns."""
+    if num_tokens <= DECODE_MAX_TOKENS:
+        return ExpandConfig(16, 64, 16)
+    return ExpandConfig(64, 128, 16, num_warps=8, num_stages=2)
+
+
+@triton.jit
+def _expand_kernel(
+    inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
+    num_tokens, n_out, rank_max, num_loras,
+    stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+    SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
+    LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    n_tile = tl.program_id(0)
+    slot, m_tile = slot_tile(tl.program_id(1), rank_ptr, count_ptr, num_loras, LORAS_P2, BLOCK_M)
+    if slot >= num_loras:
+        return
+    rank = tl.load(rank_ptr + slot)
+    count = tl.load(count_ptr + slot)
+    start = tl.load(start_ptr + slot)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+    tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+    col0 = n_tile * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+
+    inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(NUM_SLICES):
+        lo = SLICE_OFFSETS[s]
+        hi = SLICE_OFFSETS[s + 1]
+        if (col0 < hi) & (col0 + BLOCK_N > lo):
+            col_ok = (cols >= lo) & (cols < hi)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < rank
+                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
+                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # a: [BLOCK_M, BLOCK_R]
+                b = tl.load(b_cols + offs_r[:, None] * stride_br,
+                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # b: [BLOCK_R, BLOCK_N]
+                acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
+
+    y = y_ptr + tok.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
+    mask = tok_ok[:, None] & (cols < n_out)[None, :]
+    old = tl.load(y, mask=mask, other=0.0)
+    tl.store(y, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
+
+
+def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
+                meta: LoRAMeta, slice_offsets: tuple[int, ...], y: torch.Tensor,
+                config: ExpandConfig | None = None) -> None:
+    """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
+
+    slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.
+    Rows of tokens without a slot are untouched. `config` overrides the static
+    kernel shape (tests, tuning).
+    """
+    num_tokens, n_out = y.shape
+    num_loras, b_rows, rank_max = lora_b.shape
+    offsets = tuple(int(o) for o in slice_offsets)
+    num_slices = len(offsets) - 1
+    if num_slices < 1 or offsets[0] != 0 or offsets[-1] != n_out or \
+            any(a > b for a, b in zip(offsets, offsets[1:])):
+        raise ValueError(f"slice_offsets {offsets} must rise from 0 to N={n_out}")
+    if b_rows != n_out:
+        raise ValueError(f"lora_b has {b_rows} output rows but y has {n_out} columns")
+    if inter.shape != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
+        raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] float32, "
+                         f"got {list(inter.shape)} {inter.dtype}")
+    if y.dtype != lora_b.dtype:
+        raise ValueError(f"y is {y.dtype} but lora_b is {lora_b.dtype}")
+    check_meta(meta, slot_rank, num_tokens, num_loras)
+    if num_tokens == 0:
+        return
+    cfg = config or expand_config(num_tokens, n_out)
+    grid = (triton.cdiv(n_out, cfg.block_n),
+            triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    _expand_kernel[grid](
+        inter, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
+        num_tokens, n_out, rank_max, num_loras,
+        inter.stride(0), inter.stride(1),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+        SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
+        LORAS_P2=loras_p2(num_loras),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r,
+        PRECISION=dot_precision(lora_b.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

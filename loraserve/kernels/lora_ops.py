@@ -1,0 +1,46 @@
+"""LoRA delta of a packed linear layer: y += expand(shrink(x)), per token's adapter slot.
+
+`lora_apply` runs the Triton kernels on CUDA tensors (and on CPU tensors under
+TRITON_INTERPRET=1), otherwise the torch reference. The kernel shape is chosen
+by the static token count T alone: T <= DECODE_MAX_TOKENS (64) takes the
+decode-shaped kernels (split-K shrink, one token tile per slot), larger T the
+prefill-shaped ones; so a CUDA graph bucket always gets the same kernels.
+Nothing here reads metadata on the host, syncs or allocates beyond the
+[T, S*R] float32 intermediate, so `lora_apply` can be captured in a CUDA graph.
+"""
+import os
+
+import torch
+
+from loraserve.kernels.lora_expand import lora_expand
+from loraserve.kernels.lora_meta import LoRAMeta
+from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
+from loraserve.kernels.lora_shrink import DECODE_MAX_TOKENS, lora_shrink
+
+__all__ = ["DECODE_MAX_TOKENS", "lora_apply", "lora_apply_ref"]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+    """y: [T, N] += LoRA(x: [T, in]) for each token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R]."""
+    if not _use_triton(x):
+        lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
+        return
+    num_slices = len(slice_offsets) - 1
+    inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
+    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y)
+
+
+def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+    """Same as lora_apply through the plain-torch reference (host sync; not for graphs)."""
+    num_slices = len(slice_offsets) - 1
+    if num_slices < 1:
+        raise ValueError(f"slice_offsets {tuple(slice_offsets)} name no slice")
+    inter = lora_shrink_ref(x, lora_a, slot_rank, meta.token_slots, num_slices)
+    lora_expand_ref(inter, lora_b, slot_rank, meta.token_slots, slice_offsets, y)

@@ -1,0 +1,167 @@
+"""LoRA shrink: inter[t, s*R + r] = x[t] . A[slot_t, s*R + r] for every slice s of a packed layer.
+
+One launch covers all slices and all slots. Tokens are grouped by slot
+(LoRAMeta); the grid is sized by static maxima only: a token-tile axis of
+cdiv(T, BLOCK_M) + min(L, T) entries (enough for any split of T tokens over L
+slots) and an axis over row tiles of the S*R rows of A times the split-K
+factor. Each program maps its token tile to (slot, tile within the slot) with
+a prefix sum over the per-slot tile counts; programs past the last tile, and
+row tiles that lie wholly beyond their slot's rank, return at once. Rows of A
+beyond the rank are masked, so they are neither read nor counted.
+
+Two static shapes: decode (T <= DECODE_MAX_TOKENS) splits K so that the few
+adapters' A matrices are read by many programs at once; prefill uses larger
+token and row tiles. The choice depends on T alone, so one CUDA graph bucket
+always runs the same kernel.
+"""
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from loraserve.kernels.lora_meta import LoRAMeta
+
+# Token counts up to this use the decode-shaped kernels (shrink and expand).
+DECODE_MAX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class ShrinkConfig:
+    block_m: int  # tokens per tile
+    block_n: int  # rows of A (of S*R) per tile
+    block_k: int  # hidden features per inner step
+    split_k: int  # programs sharing one dot product's K range (atomic adds when > 1)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
+    """The static kernel shape for T tokens, `hidden` input features and S*R rows."""
+    if num_tokens <= DECODE_MAX_TOKENS:
+        return ShrinkConfig(16, 16, 256, max(1, min(16, triton.cdiv(hidden, 512))))
+    block_n = max(16, min(64, triton.next_power_of_2(sr)))
+    return ShrinkConfig(64, block_n, 64, max(1, min(8, triton.cdiv(hidden, 1024))),
+                        num_warps=8, num_stages=4)
+
+
+@triton.jit
+def slot_tile(tile, rank_ptr, count_ptr, num_loras,
+              LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Map a flat token-tile index to (slot, tile within slot); slot >= num_loras if none."""
+    slots = tl.arange(0, LORAS_P2)
+    ok = slots < num_loras
+    count = tl.load(count_ptr + slots, mask=ok, other=0)
+    rank = tl.load(rank_ptr + slots, mask=ok, other=0)
+    tiles = tl.where(rank > 0, (count + BLOCK_M - 1) // BLOCK_M, 0)  # tiles: [LORAS_P2]
+    ends = tl.cumsum(tiles, 0)
+    slot = tl.sum((ends <= tile).to(tl.int32), 0)
+    begin = tl.sum(tl.where(slots == slot, ends - tiles, 0), 0)
+    return slot, tile - begin
+
+
+@triton.jit
+def _shrink_kernel(
+    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, out_ptr,
+    num_tokens, hidden, sr, rank_max, num_loras, k_per_split,
+    stride_xt, stride_xk, stride_al, stride_an, stride_ak, stride_ot, stride_on,
+    LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    n_tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    slot, m_tile = slot_tile(tl.program_id(1), rank_ptr, count_ptr, num_loras, LORAS_P2, BLOCK_M)
+    if slot >= num_loras:
+        return
+    rank = tl.load(rank_ptr + slot)
+    rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of A: [BLOCK_N]
+    row_ok = (rows < sr) & (rows % rank_max < rank)
+    if tl.max(row_ok.to(tl.int32), 0) == 0:
+        return
+    count = tl.load(count_ptr + slot)
+    start = tl.load(start_ptr + slot)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+    tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+    a_rows = a_ptr + slot.to(tl.int64) * stride_al + rows[None, :] * stride_an
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
+        x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                    mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
+        a = tl.load(a_rows + offs_k[:, None] * stride_ak,
+                    mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
+        acc += tl.dot(x, a, input_precision=PRECISION)
+
+    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on
+    mask = tok_ok[:, None] & (rows < sr)[None, :]
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
+                meta: LoRAMeta, num_slices: int, out: torch.Tensor,
+                config: ShrinkConfig | None = None) -> None:
+    """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
+
+    Every element of out is written: rows of tokens with a slot hold the
+    products for the first slot_rank ranks of each slice and zeros beyond;
+    rows of tokens without a slot are zero. `config` overrides the static
+    kernel shape (tests, tuning).
+    """
+    num_tokens, hidden = x.shape
+    num_loras, sr, a_hidden = lora_a.shape
+    if a_hidden != hidden:
+        raise ValueError(f"x has {hidden} features but lora_a expects {a_hidden}")
+    if num_slices < 1 or sr % num_slices:
+        raise ValueError(f"lora_a's {sr} rows do not split into {num_slices} slices")
+    if x.dtype != lora_a.dtype:
+        raise ValueError(f"x is {x.dtype} but lora_a is {lora_a.dtype}")
+    if out.shape != (num_tokens, sr) or out.dtype != torch.float32:
+        raise ValueError(f"out must be [{num_tokens}, {sr}] float32, "
+                         f"got {list(out.shape)} {out.dtype}")
+    check_meta(meta, slot_rank, num_tokens, num_loras)
+    cfg = config or shrink_config(num_tokens, hidden, sr)
+    out.zero_()
+    if num_tokens == 0:
+        return
+    k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
+    grid = (triton.cdiv(sr, cfg.block_n) * cfg.split_k,
+            triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    _shrink_kernel[grid](
+        x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, out,
+        num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,
+        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        out.stride(0), out.stride(1),
+        LORAS_P2=loras_p2(num_loras), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def loras_p2(num_loras: int) -> int:
+    """Width of the in-kernel slot vector: one compiled kernel serves every L <= 16."""
+    return max(16, triton.next_power_of_2(num_loras))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 weights; tensor-core inputs otherwise."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_meta(meta: LoRAMeta, slot_rank: torch.Tensor, num_tokens: int, num_loras: int):
+    """Raise ValueError unless meta and slot_rank fit T tokens and L slots."""
+    if slot_rank.shape != (num_loras,) or slot_rank.dtype != torch.int32:
+        raise ValueError(f"slot_rank must be [{num_loras}] int32, "
+                         f"got {list(slot_rank.shape)} {slot_rank.dtype}")
+    if meta.slot_start.shape[0] != num_loras or meta.slot_count.shape[0] != num_loras:
+        raise ValueError(f"meta is built for {meta.slot_count.shape[0]} slots, "
+                         f"the weights have {num_loras}")
+    if meta.sorted_token_ids.shape[0] < num_tokens:
+        raise ValueError(f"meta holds {meta.sorted_token_ids.shape[0]} tokens, "
+                         f"fewer than T={num_tokens}")

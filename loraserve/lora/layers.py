@@ -1,0 +1,97 @@
+"""LoRA-aware linear layers: a wrapper around a base (packed) linear with static slot storage.
+
+Storage (DESIGN.md section 3), allocated once, addresses never change:
+  lora_a:    [L, S*R, in]  rows s*R .. s*R+R-1 are slice s's A for a slot
+  lora_b:    [L, N, R]     rows slice_offsets[s] .. slice_offsets[s+1]-1 are slice s's B (scaling folded in)
+  slot_rank: [L] int32     the rank in each slot (0 = empty)
+with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraserve.models.linear import LinearBase
+
+# packed module name in the model -> checkpoint module names of its slices
+LORA_TARGETS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], max_loras: int, max_rank: int):
+        super().__init__()
+        self.base = base
+        self.slice_names = slice_names
+        self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
+        if len(self.slice_offsets) != len(slice_names) + 1:
+            raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
+        self.max_rank = max_rank
+        device, dtype = base.weight.device, base.weight.dtype
+        s = len(slice_names)
+        self.register_buffer("lora_a", torch.zeros(max_loras, s * max_rank, base.in_features, device=device,
+                                                   dtype=dtype), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, device=device,
+                                                   dtype=dtype), persistent=False)
+        self.register_buffer("slot_rank", torch.zeros(max_loras, dtype=torch.int32, device=device),
+                             persistent=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.base.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.base.out_features
+
+    def forward(self, x: torch.Tensor, lora_meta=None) -> torch.Tensor:
+        # x: [T, in] -> y: [T, N]
+        y = self.base(x)
+        if lora_meta is not None:
+            if x.is_cuda:
+                from loraserve.kernels.lora_ops import lora_apply
+            else:
+                from loraserve.kernels.lora_ops import lora_apply_ref as lora_apply
+            lora_apply(x, y, self.lora_a, self.lora_b, self.slot_rank, lora_meta, self.slice_offsets)
+        return y
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Put one adapter's (A [r, in], B [out_s, r]) per slice (None = slice not targeted) into `slot`."""
+        r_max = self.max_rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        rank = 0
+        for s, pair in enumerate(weights):
+            if pair is None:
+                continue
+            a, b = pair
+            r = a.shape[0]
+            self.lora_a[slot, s * r_max:s * r_max + r].copy_(a, non_blocking=True)
+            self.lora_b[slot, self.slice_offsets[s]:self.slice_offsets[s + 1], :r].copy_(b, non_blocking=True)
+            rank = max(rank, r)
+        self.slot_rank[slot] = rank
+
+    def clear_slot(self, slot: int) -> None:
+        self.slot_rank[slot] = 0
+
+
+def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> list[tuple[int, LoRALinear]]:
+    """Replace each decoder layer's q/k/v, o, gate/up and down linears by LoRA wrappers.
+
+    Returns (layer index, wrapper) pairs in model order.
+    """
+    wrapped: list[tuple[int, LoRALinear]] = []
+    for layer_idx, layer in enumerate(model.model.layers):
+        for parent in (layer.self_attn, layer.mlp):
+            for attr, slices in LORA_TARGETS.items():
+                base = getattr(parent, attr, None)
+                if isinstance(base, LinearBase):
+                    wrapper = LoRALinear(base, slices, max_loras, max_rank)
+                    setattr(parent, attr, wrapper)
+                    wrapped.append((layer_idx, wrapper))
+    return wrapped

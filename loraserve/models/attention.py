@@ -1,0 +1,44 @@
+"""Paged attention layer: writes the step's K/V into the cache, then attends over the cache."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraserve.kernels.attention_reference import paged_attention_ref, write_kv_cache
+from loraserve.worker.forward_context import AttentionMetadata
+
+
+class PagedAttention(nn.Module):
+    """Causal attention over a paged KV cache: Triton kernels on CUDA, torch on the CPU.
+
+    The model runner binds the layer's cache with `bind_cache` once the cache is
+    allocated; the tensors never move afterwards (CUDA graphs rely on that).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, KVH, hd]
+        self.v_cache: torch.Tensor | None = None
+
+    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        # q: [T, H, hd]; k, v: [T, KVH, hd] -> [T, H * hd]
+        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        if q.is_cuda:
+            from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention
+
+            out = torch.empty_like(q)
+            if meta.is_decode:
+                paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                       self.scale, out)
+            else:
+                paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                        meta.query_start_loc, meta.max_query_len, self.scale, out)
+        else:
+            out = paged_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc, self.scale)
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,137 @@
+"""The Llama family (Llama 1-3, Mistral, Qwen2, SmolLM2): one decoder, per-architecture options.
+
+Parameter names follow the HF checkpoints except for the packed layers:
+`self_attn.qkv_proj` holds q/k/v and `mlp.gate_up_proj` holds gate/up
+(`PACKED_MODULES` says which checkpoint names go where).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loraserve.models.attention import PagedAttention
+from loraserve.models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
+from loraserve.models.linear import PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from loraserve.worker.forward_context import ForwardContext
+
+# checkpoint module name -> (packed module name, shard id)
+PACKED_MODULES = {
+    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config, qkv_bias: bool):
+        super().__init__()
+        d = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or d // self.num_heads
+        self.qkv_proj = QKVParallelLinear(d, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
+        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, d, bias=False)
+        theta, scaling = rope_settings(config)
+        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # x: [T, D]
+        qkv = self.qkv_proj(x, ctx.lora)  # [T, q + 2 kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, ctx.attn)  # [T, H * hd]
+        return self.o_proj(out, ctx.lora)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_up_proj = PackedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, ["gate", "up"], bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, ctx.lora)  # [T, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, ctx.lora)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config, qkv_bias: bool):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, qkv_bias)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, ctx):
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, qkv_bias: bool):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, ctx):
+        x = self.embed_tokens(input_ids)  # [T, D]
+        for layer in self.layers:
+            x = layer(positions, x, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns hidden states; `compute_logits` the fp32 logits of chosen rows."""
+
+    qkv_bias = False
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, self.qkv_bias)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, D]
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, V] fp32
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: the Llama decoder (sliding-window attention is not applied; contexts up to the window match)."""
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: the Llama decoder with q/k/v bias."""
+
+    qkv_bias = True
+
+
+def rope_settings(config) -> tuple[float, dict | None]:
+    """(rope theta, rope scaling dict or None) from a transformers 4.x or 5.x config."""
+    params = getattr(config, "rope_parameters", None) or {}
+    scaling = getattr(config, "rope_scaling", None) or params
+    theta = getattr(config, "rope_theta", None) or params.get("rope_theta") or 10000.0
+    if scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta), scaling

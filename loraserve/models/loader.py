@@ -1,0 +1,200 @@
+"""Build a model on the meta device and fill it tensor by tensor from HF safetensors, a GGUF file,
+or random weights (synthetic benchmarks models)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from loraserve.errors import ModelLoadError
+from loraserve.models.llama import PACKED_MODULES
+from loraserve.models.registry import model_class_for
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any
+    tokenizer: Any  # a transformers tokenizer, or None (token-id prompts only)
+    name: str  # the default served model name
+    generation_eos_ids: list[int]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def build_empty_model(hf_config, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """The model with uninitialised weights on `device` (built on meta, no host copy)."""
+    cls = model_class_for(hf_config)
+    with _default_dtype(dtype), torch.device("meta"):
+        model = cls(hf_config)
+    model.to_empty(device=device)
+    model.tie_weights()
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    return model.eval()
+
+
+def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], total: int | None = None) -> None:
+    """Copy checkpoint tensors into the model's (packed) parameters; error on missing/unknown/mis-shaped."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model, "tie_word_embeddings", False)
+    loaded: set[str] = set()
+    for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
+                             disable=total is not None and total < 16):
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        target, shard = name, None
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
+            packed, shard = PACKED_MODULES[parts[-2]]
+            target = ".".join(parts[:-2] + [packed, parts[-1]])
+        param = params.get(target)
+        if param is None:
+            raise ModelLoadError(f"checkpoint tensor {name!r} matches no parameter of the model")
+        owner = model.get_submodule(target.rpartition(".")[0])
+        try:
+            if hasattr(owner, "weight_loader"):
+                owner.weight_loader(param, tensor, shard)
+            else:
+                _copy(param, tensor)
+        except ValueError as exc:
+            raise ModelLoadError(f"checkpoint tensor {name!r}: {exc}") from exc
+        loaded.add(target)
+    expected = {n for n in params if not (tied and n == "lm_head.weight")}
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing weights: {', '.join(missing[:8])}"
+                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+
+
+def _copy(param: nn.Parameter, tensor: torch.Tensor) -> None:
+    if param.shape != tensor.shape:
+        raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+def _safetensors_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(path, f))]
+        if missing:
+            raise ModelLoadError(f"model folder {path!r} is missing weight shards: {', '.join(missing)}")
+        return [os.path.join(path, f) for f in files]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {path!r} has no *.safetensors weight files")
+    return [os.path.join(path, f) for f in files]
+
+
+def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    yield key, f.get_tensor(key)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, ModelLoadError):
+                raise
+            raise ModelLoadError(f"can't read weight file {file!r}: {exc}") from exc
+
+
+def _eos_ids(hf_config, tokenizer, path: str | None) -> list[int]:
+    ids: list[int] = []
+    candidates = [getattr(hf_config, "eos_token_id", None)]
+    if path and os.path.isfile(os.path.join(path, "generation_config.json")):
+        with open(os.path.join(path, "generation_config.json")) as f:
+            candidates.append(json.load(f).get("eos_token_id"))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    for c in candidates:
+        for i in (c if isinstance(c, list) else [c]):
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return ids
+
+
+def load_model(model: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """Resolve `model` (None = default GGUF, `synthetic:NAME`, a .gguf file or an HF folder) and load it."""
+    if model is not None and model.startswith("synthetic:"):
+        from loraserve.models.synthetic import synthetic_config
+
+        try:
+            config = synthetic_config(model.split(":", 1)[1])
+        except ValueError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        net = build_empty_model(config, device, dtype)
+        randomize_weights(net, seed=0)
+        return LoadedModel(net, config, None, model, [])
+    if model is None or model.endswith(".gguf"):
+        from loraserve.models import gguf_loader
+
+        path = gguf_loader.default_model_path() if model is None else model
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"model file {path!r} does not exist")
+        config = gguf_loader.load_gguf_config(path)
+        net = build_empty_model(config, device, dtype)
+        load_weights(net, gguf_loader.iter_gguf_weights(path))
+        tokenizer = gguf_loader.load_gguf_tokenizer(path)
+        name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
+        return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, None))
+    if not os.path.isdir(model):
+        raise ModelLoadError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file "
+                             "or synthetic:NAME; no network downloads)")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        raise ModelLoadError(f"model folder {model!r} has no config.json")
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelLoadError(f"can't read {model}/config.json: {exc}") from exc
+    model_class_for(config)  # unsupported architecture: fail before touching weights
+    files = _safetensors_files(model)
+    net = build_empty_model(config, device, dtype)
+    load_weights(net, _iter_safetensors(files))
+    tokenizer = _load_tokenizer(model)
+    return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(model)),
+                       _eos_ids(config, tokenizer, model))
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no tokenizer in %s (%s): only token-id prompts can be served", path, exc)
+        return None
+
+
+@torch.no_grad()
+def randomize_weights(model: nn.Module, seed: int) -> None:
+    """Random weights (normal, std 0.02; norms near 1) for benchmarks: never zeros."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

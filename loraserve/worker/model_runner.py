@@ -1,0 +1,152 @@
+"""Runs one scheduled step on the device: step metadata -> forward -> logits -> sampled tokens."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraserve.config import CacheConfig, SchedulerConfig
+from loraserve.engine.scheduler import ScheduledSequence, SchedulerOutput
+from loraserve.models.attention import PagedAttention
+from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
+from loraserve.worker.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepInputs:
+    """Host-side (numpy) inputs of one step: T tokens of S sequences."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64
+    block_tables: np.ndarray  # [S, MB] int32
+    seq_lens: np.ndarray  # [S] int32
+    query_start_loc: np.ndarray  # [S+1] int32
+    token_lora_slots: np.ndarray  # [T] int32, -1 = base
+    logits_rows: np.ndarray  # [N] int64: rows whose hidden state is sampled
+    max_query_len: int
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class ModelRunner:
+    """Owns the model's device state: KV cache, sampler, LoRA step metadata, CUDA graphs."""
+
+    def __init__(self, model, hf_config, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
+                 scheduler_config: SchedulerConfig, seed: int, max_loras: int = 0):
+        self.model = model
+        self.device, self.dtype = device, dtype
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.attn_layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+        self.num_blocks = self._count_kv_blocks(cache_config, scheduler_config)
+        # the block at index num_blocks is a dummy: padding rows write their K/V there
+        self.dummy_block = self.num_blocks
+        self._allocate_kv_cache()
+        self.sampler = Sampler(device, seed)
+        self.lora_meta_builder = None
+        if max_loras > 0:
+            from loraserve.kernels.lora_meta import LoRAMetaBuilder
+
+            self.lora_meta_builder = LoRAMetaBuilder(scheduler_config.max_num_batched_tokens
+                                                     + scheduler_config.max_num_seqs, max_loras, device)
+
+    # -- KV cache -----------------------------------------------------------
+    def _bytes_per_block(self) -> int:
+        a = self.attn_layers[0]
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+
+    def _count_kv_blocks(self, cache: CacheConfig, sched: SchedulerConfig) -> int:
+        useful = sched.max_num_seqs * self.max_blocks_per_seq  # more than this can never be used
+        if cache.num_gpu_blocks_override is not None:
+            blocks = cache.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            reserve = total * (1.0 - cache.gpu_memory_utilization) + self._activation_reserve(sched)
+            blocks = min(useful, int(max(0.0, free - reserve) // self._bytes_per_block()))
+        else:
+            blocks = min(useful, int(cache.cpu_kv_cache_gb * 2**30 // self._bytes_per_block()))
+        if blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache holds {blocks} blocks of {self.block_size} tokens, fewer than one "
+                             f"sequence of max_model_len={self.max_model_len} needs; lower max_model_len or "
+                             "give the cache more memory")
+        return blocks
+
+    def _activation_reserve(self, sched: SchedulerConfig) -> float:
+        cfg = self.model.config
+        t = sched.max_num_batched_tokens
+        width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size
+        return 2**30 + t * width * 4 * 4 + sched.max_num_seqs * cfg.vocab_size * 4 * 4
+
+    def _allocate_kv_cache(self) -> None:
+        for layer in self.attn_layers:
+            shape = (self.num_blocks + 1, self.block_size, layer.num_kv_heads, layer.head_dim)
+            layer.bind_cache(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                             torch.zeros(shape, dtype=self.dtype, device=self.device))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                    self.num_blocks * self._bytes_per_block() / 2**30)
+
+    # -- one step -------------------------------------------------------------
+    def prepare(self, scheduled: list[ScheduledSequence], lora_slots: dict[str, int]) -> StepInputs:
+        bs = self.block_size
+        ids, pos, slots, lora, rows = [], [], [], [], []
+        seq_lens, qsl = [], [0]
+        max_blocks = 1
+        for item in scheduled:
+            seq, n, start = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
+            ids.extend(seq.all_token_ids[start:start + n])
+            p = np.arange(start, start + n)
+            pos.append(p)
+            table = np.asarray(seq.block_table, dtype=np.int64)
+            slots.append(table[p // bs] * bs + p % bs)
+            lora.append(np.full(n, lora_slots[seq.lora_name] if seq.lora_name is not None else -1, np.int32))
+            seq_lens.append(start + n)
+            qsl.append(qsl[-1] + n)
+            if item.samples:
+                rows.append(qsl[-1] - 1)
+            max_blocks = max(max_blocks, len(seq.block_table))
+        tables = np.zeros((len(scheduled), max_blocks), dtype=np.int32)
+        for i, item in enumerate(scheduled):
+            tables[i, :len(item.seq.block_table)] = item.seq.block_table
+        return StepInputs(np.asarray(ids, np.int64), np.concatenate(pos).astype(np.int64),
+                          np.concatenate(slots).astype(np.int64), tables, np.asarray(seq_lens, np.int32),
+                          np.asarray(qsl, np.int32), np.concatenate(lora), np.asarray(rows, np.int64),
+                          max(s.num_new_tokens for s in scheduled))
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    @torch.inference_mode()
+    def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        """The model on this step's tokens; returns the hidden states of the sampled rows [N, D]."""
+        attn = AttentionMetadata(
+            slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
+            seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
+            max_query_len=inputs.max_query_len, is_decode=inputs.is_decode)
+        lora = None
+        if self.lora_meta_builder is not None and (inputs.token_lora_slots >= 0).any():
+            lora = self.lora_meta_builder.build(inputs.token_lora_slots)
+        hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions),
+                            ForwardContext(attn, lora))
+        return hidden[self._to_device(inputs.logits_rows)]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, lora_slots: dict[str, int]) -> tuple[list[ScheduledSequence], SamplerOutput]:
+        """Run the step; returns the sequences that sampled and their samples (in the same order)."""
+        inputs = self.prepare(out.scheduled, lora_slots)
+        hidden = self.forward_eager(inputs)
+        sampling = [s for s in out.scheduled if s.samples]
+        if not sampling:
+            return [], SamplerOutput([], [])
+        logits = self.model.compute_logits(hidden)  # [N, V]
+        result = self.sampler(logits, [s.seq.request_id for s in sampling],
+                              [s.seq.sampling_params for s in sampling])
+        return sampling, result

@@ -1,0 +1,98 @@
+"""Turn the logits of a step's sampling rows into token ids (and logprobs when asked)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[dict[int, float] | None]  # per row: sampled token + top-k, or None if not asked
+
+
+class Sampler:
+    """Greedy, temperature, top-k, top-p; per-request seeds.
+
+    A request with a seed owns a torch.Generator, so its samples do not depend on
+    the other requests of the batch; the others share the engine's generator.
+    Logprobs are those of the model's distribution (before temperature/top-k/top-p).
+    """
+
+    def __init__(self, device: torch.device, seed: int):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def _generator_for(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self.generator
+        gen = self._request_generators.get(request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+            self._request_generators[request_id] = gen
+        return gen
+
+    @torch.no_grad()
+    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
+        # logits: [N, V] fp32
+        n = logits.shape[0]
+        greedy = [p.greedy for p in params]
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        greedy_rows = [i for i in range(n) if greedy[i]]
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        random_rows = [i for i in range(n) if not greedy[i]]
+        if random_rows:
+            idx = torch.tensor(random_rows, device=logits.device)
+            probs = self._filtered_probs(logits[idx], [params[i] for i in random_rows])  # [R, V]
+            # exponential race: argmax(p / E) with E ~ Exp(1) samples from p; E drawn per row's generator
+            noise = torch.empty_like(probs)
+            for j, i in enumerate(random_rows):
+                noise[j].exponential_(generator=self._generator_for(request_ids[i], params[i]))
+            tokens[idx] = (probs / noise).argmax(dim=-1)
+        want = [p.logprobs for p in params]
+        token_list = tokens.tolist()
+        if not any(w is not None for w in want):
+            return SamplerOutput(token_list, [None] * n)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        k = max(w or 0 for w in want)
+        top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long()))
+        sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        out: list[dict[int, float] | None] = []
+        for i in range(n):
+            if want[i] is None:
+                out.append(None)
+                continue
+            entry = {top_ids[i][j]: top_vals[i][j] for j in range(want[i])}
+            entry[token_list[i]] = sampled_lp[i]
+            out.append(entry)
+        return SamplerOutput(token_list, out)
+
+    @staticmethod
+    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        # logits: [R, V] -> probabilities after temperature, top-k and top-p
+        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+        logits = logits / temps
+        top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
+        top_ps = [p.top_p for p in params]
+        if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+            k_t = torch.tensor(top_ks, device=logits.device).unsqueeze(1)
+            drop = ranks >= k_t
+            sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            p_t = torch.tensor(top_ps, device=logits.device, dtype=sorted_probs.dtype).unsqueeze(1)
+            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+            drop |= mass_before >= p_t  # keep the smallest prefix whose mass reaches top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        return logits.softmax(dim=-1)
