@@ -139,9 +139,9 @@ def sweep():
         times = [decode_case(b, c, config)[0] * 1e6 for b, c in [(1, 4096), (1, 1024), (8, 4096)]]
         print(f"sweep splits {splits:3d} | " + " ".join(f"{t:8.1f}" for t in times))
     print("sweep prefill: block_m block_n warps stages | ms (4096,4096) (4096,512)")
-    for block_m, block_n, warps, stages in [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 4, 2),
-                                            (128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 4, 3),
-                                            (64, 32, 4, 3), (128, 128, 8, 2)]:
+    for block_m, block_n, warps, stages in [(64, 64, 4, 1), (64, 64, 4, 2), (64, 64, 4, 3),
+                                            (64, 64, 8, 2), (64, 128, 4, 2), (64, 128, 8, 2),
+                                            (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]:
         config = PrefillConfig(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         times = [prefill_case(c, m, config)[0] * 1e3 for c, m in [(4096, 4096), (4096, 512)]]
         print(f"sweep prefill {block_m:4d} {block_n:4d} {warps:2d} {stages:2d} | "

@@ -85,8 +85,9 @@ def test_write_kv_cache_stores_each_token_at_its_slot():
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_reference_matches_naive_dense_attention(block_size):
     gen = torch.Generator().manual_seed(1)
-    # (seq_len, q_len): full prefill, chunked prefill with context, decode, one-token prompt
-    seq_lens, q_lens = [7, 19, 33, 1, 16], [7, 5, 1, 1, 16]
+    # (seq_len, q_len): full prefill, chunked prefill with context, decode, one-token prompt,
+    # a decode padding row (no context: zeros)
+    seq_lens, q_lens = [7, 19, 33, 1, 16, 0], [7, 5, 1, 1, 16, 1]
     dense_k, dense_v, k_cache, v_cache, tables = make_paged(seq_lens, 2, 16, block_size,
                                                             torch.float32, gen)
     q = torch.randn(sum(q_lens), 4, 16, generator=gen)

@@ -8,7 +8,8 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    sequence slots last. A step holds at most `max_loras` distinct adapters: a
    waiting request whose adapter does not fit blocks the requests behind it
    that need an adapter (no starvation: running adapters drain, a slot frees),
-   while base-model requests, which take no slot, may pass it.
+   while base-model requests and those of pinned adapters, which take no new
+   slot, may pass it.
 """
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class Scheduler:
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            if seq.lora_name is not None:
+            if seq.lora_name is not None and seq.lora_name not in self.pinned_loras:
                 if adapter_blocked:
                     continue
                 resident = self._running_loras.keys() | self.pinned_loras

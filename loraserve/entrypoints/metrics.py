@@ -65,7 +65,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._requests = Counter("loraserve_requests", "Requests by model/adapter and outcome.",
                                  ["adapter", "outcome"], registry=self.registry)
-        self._lora_load = Histogram("loraserve_lora_load_seconds", "Time to load an adapter into a GPU slot.",
+        self._lora_load = Histogram("loraserve_lora_load_seconds", "Time to read and validate an adapter from disk.",
                                     buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.ttft = Histogram("loraserve_time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=_LATENCY_BUCKETS, registry=self.registry)

@@ -228,7 +228,10 @@ class _OpenAIServer:
         raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
 
     def _resolve_lora_path(self, path: str) -> str:
-        """The real path of an adapter folder inside a --lora-root; relative paths start at the first root."""
+        """The real path of an adapter folder inside a --lora-root, with safetensors weights.
+
+        Relative paths start at the first root. Every entry of the folder must resolve inside the root too.
+        """
         if not path:
             raise APIError(400, "lora_path must not be empty", param="lora_path")
         real = os.path.realpath(path if os.path.isabs(path) else os.path.join(self._lora_roots[0], path))
@@ -242,6 +245,9 @@ class _OpenAIServer:
             if not _inside(os.path.realpath(entry.path), root):
                 raise APIError(400, f"{entry.name!r} in lora_path {path!r} links outside --lora-root",
                                param="lora_path", code="path_outside_lora_root")
+        if not os.path.isfile(os.path.join(real, "adapter_model.safetensors")):
+            raise APIError(400, f"lora_path {path!r} has no adapter_model.safetensors (pickled weights such as "
+                           "adapter_model.bin are not loaded at runtime)", param="lora_path")
         return real
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> dict:

@@ -3,7 +3,7 @@
 Cache layout per layer: ``k_cache, v_cache: [num_blocks, block_size, KVH, D]``;
 ``block_tables[s, i]`` is the cache block of sequence s's tokens
 ``i*block_size .. (i+1)*block_size-1``. Both kernels keep an fp32 online
-softmax in the base-2 domain (scores are pre-multiplied by ``scale*log2(e)``).
+softmax in the base-2 domain (scores scaled by ``scale*log2(e)``).
 Semantics match ``attention_reference.paged_attention_ref``.
 """
 import dataclasses
@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_NEG_BIG = tl.constexpr(-1.0e30)  # running max before any key: finite, so exp2(m_old - m_new) never sees inf - inf
+# Running max before any key: finite, so exp2(m_old - m_new) never computes inf - inf.
+_NEG_BIG = tl.constexpr(-1.0e30)
 _MAX_SPLITS = 64
 
 
@@ -63,13 +64,13 @@ def _attend_tile(
                     + d[None, :])  # [N, D]
         v = tl.load(v_head_ptr + page[:, None] * stride_vb + (pos % BLOCK_SIZE)[:, None] * stride_vt
                     + d[None, :])  # [N, D]
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [R, N] fp32
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [R, N] fp32, unscaled
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & valid[None, :]
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # [R]
+    m_new = tl.maximum(m_i, tl.max(s, 1) * scale_log2)  # [R]
     alpha = tl.exp2(m_i - m_new)  # [R]
-    p = tl.exp2(s - m_new[:, None])  # [R, N]
+    p = tl.exp2(s * scale_log2 - m_new[:, None])  # [R, N]; scale folded into one FMA
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
@@ -162,7 +163,7 @@ def _prefill_kernel(
 ):
     """Program (h, tile, s): BLOCK_M queries of sequence s, head h, against their causal context."""
     h = tl.program_id(0)
-    tile = tl.program_id(1)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (latest) query tiles start first
     s = tl.program_id(2)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start

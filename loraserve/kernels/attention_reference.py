@@ -53,7 +53,7 @@ def paged_attention_ref(
     Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s+1]``;
     they are the last ``q_len`` positions of its ``seq_lens[s]`` cached tokens,
     and the query at position p sees keys 0..p. Scores and softmax are fp32.
-    Rows of sequences with no queries are not touched (the output is zeros there).
+    A query of a sequence with ``seq_len`` 0 (a decode padding row) gets zeros.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]

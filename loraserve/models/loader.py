@@ -58,7 +58,7 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     tied = getattr(model, "tie_word_embeddings", False)
     loaded: set[str] = set()
     for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
-                             disable=total is not None and total < 16):
+                             disable=None):  # None: shown on a terminal only
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         target, shard = name, None

@@ -1,0 +1,364 @@
+"""Benchmark of the LoRA shrink + expand kernels at Llama-3-8B shapes, against their floors.
+
+For each packed layer (qkv, o, gate_up, down), token count, number of active
+adapters (in a 16-slot buffer), popularity and rank set it times lora_apply
+(memset + shrink + expand) inside a CUDA graph, over enough weight/input sets
+that the bytes do not stay in L2, and prints the time next to the bytes and
+FLOPs it must move and do, the floor (max of bytes / measured copy bandwidth
+and FLOPs / measured bf16 GEMM rate), the percentage of the floor, and the
+torch reference's time. Bytes: x rows and y rows (read + write) of tokens with
+an adapter, and the A and B rows of each used slot up to its rank.
+Writes lora_kernels.json and lora_kernels.png to --out.
+
+    python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
+    python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+
+import numpy as np
+import torch
+import triton
+
+from loraserve.kernels.lora_expand import ExpandConfig, lora_expand
+from loraserve.kernels.lora_meta import LoRAMetaBuilder
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink
+
+LAYERS = {  # name: (in features, packed slice sizes)
+    "qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
+    "gate_up": (4096, (14336, 14336)), "down": (14336, (4096,)),
+}
+TOKENS = (1, 8, 32, 64, 128, 256, 4096)
+ADAPTERS = (1, 4, 8, 16)
+POPULARITY = ("distinct", "uniform", "skewed", "identical")
+RANK_SETS = {"8": (8,), "16": (16,), "64": (64,), "mixed": (8, 16, 32, 64)}
+MAX_LORAS, DTYPE = 16, torch.bfloat16
+BASE = dict(n=8, pop="uniform", ranks="16")  # the point the one-factor sweep varies around
+
+
+def slots_for(pop, num_tokens, n, rng):
+    """Per-token slot among slots 0..n-1 by popularity kind."""
+    if pop == "distinct":
+        return np.arange(num_tokens) % n
+    if pop == "uniform":
+        return rng.integers(0, n, num_tokens)
+    if pop == "skewed":
+        p = 1.0 / (np.arange(n) + 1.0) ** 2
+        return rng.choice(n, num_tokens, p=p / p.sum())
+    return np.zeros(num_tokens, dtype=np.int64)
+
+
+def event_ms(fn, reps, warmup=3):
+    """Median milliseconds of fn() between CUDA events."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def graph_us(ops, reps=20):
+    """Median microseconds per op of a CUDA graph that runs every op once in turn."""
+    ops[0]()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for op in ops:
+            op()
+    return 1e3 * event_ms(graph.replay, reps, warmup=2) / len(ops)
+
+
+def ceilings():
+    """Measured copy bandwidth (bytes/s, read + write) and bf16 GEMM rate (FLOP/s)."""
+    src = torch.randn(2**28, device="cuda")
+    dst = torch.empty_like(src)
+    bw = 2 * src.numel() * 4 / (1e-3 * event_ms(lambda: dst.copy_(src), 20))
+    del src, dst
+    a, b = (torch.randn(8192, 8192, device="cuda", dtype=DTYPE) for _ in range(2))
+    rate = 2 * 8192**3 / (1e-3 * event_ms(lambda: a @ b, 20))
+    return bw, rate
+
+
+class Layer:
+    """Static slot storage of one packed layer and rotating weight sets."""
+
+    def __init__(self, name, rank_max, l2_bytes, mem_cap):
+        self.name, self.rank_max = name, rank_max
+        self.hidden, sizes = LAYERS[name]
+        self.offsets = tuple(int(o) for o in np.concatenate([[0], np.cumsum(sizes)]))
+        self.n_out, self.num_slices = self.offsets[-1], len(sizes)
+        set_bytes = 2 * MAX_LORAS * rank_max * (self.num_slices * self.hidden + self.n_out)
+        self.l2_bytes = l2_bytes
+        count = max(1, min(64, mem_cap // set_bytes))
+        self.weights = [(
+            torch.randn(MAX_LORAS, self.num_slices * rank_max, self.hidden, device="cuda",
+                        dtype=DTYPE) / math.sqrt(self.hidden),
+            torch.randn(MAX_LORAS, self.n_out, rank_max, device="cuda", dtype=DTYPE) * 0.1,
+        ) for _ in range(count)]
+
+
+def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
+    """Time one case; only_rank keeps the slots of that rank active (the others empty)."""
+    ranks = [RANK_SETS[rank_key][i % len(RANK_SETS[rank_key])] for i in range(n)]
+    ranks += [0] * (MAX_LORAS - n)
+    if only_rank is not None:
+        ranks = [r if r == only_rank else 0 for r in ranks]
+    slot_rank = torch.tensor(ranks, dtype=torch.int32, device="cuda")
+    slots = slots_for(pop, num_tokens, n, rng)
+    meta = LoRAMetaBuilder(num_tokens, MAX_LORAS, "cuda").build(slots)
+
+    tok_rank = np.array(ranks)[slots]
+    used = sorted({int(s) for s in slots if ranks[s] > 0})
+    rank_sum = sum(ranks[s] for s in used)
+    n_tok = int((tok_rank > 0).sum())
+    e = DTYPE.itemsize
+    nbytes = e * (n_tok * (layer.hidden + 2 * layer.n_out)
+                  + rank_sum * (layer.num_slices * layer.hidden + layer.n_out))
+    flops = 2 * int(tok_rank.sum()) * (layer.num_slices * layer.hidden + layer.n_out)
+
+    io_bytes = e * num_tokens * (layer.hidden + layer.n_out)
+    sets = max(1, min(len(layer.weights), math.ceil(3 * layer.l2_bytes / max(1, nbytes))))
+    xs = [torch.randn(num_tokens, layer.hidden, device="cuda", dtype=DTYPE) for _ in range(sets)]
+    ys = [torch.randn(num_tokens, layer.n_out, device="cuda", dtype=DTYPE) for _ in range(sets)]
+    inters = [torch.empty(num_tokens, layer.num_slices * layer.rank_max, device="cuda")
+              for _ in range(sets)]
+    idx = [i % sets for i in range(max(sets, 16))]
+
+    def op(kind, i, shrink_cfg=None, expand_cfg=None):
+        a, b = layer.weights[i]
+        if kind == "apply":
+            return lambda: lora_apply(xs[i], ys[i], a, b, slot_rank, meta, layer.offsets)
+        if kind == "shrink":
+            return lambda: lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, inters[i],
+                                       shrink_cfg)
+        return lambda: lora_expand(inters[i], b, slot_rank, meta, layer.offsets, ys[i], expand_cfg)
+
+    result = dict(layer=layer.name, T=num_tokens, n=n, pop=pop, ranks=rank_key,
+                  only_rank=only_rank, bytes=nbytes, flops=flops, io_bytes=io_bytes, sets=sets)
+    result["us"] = graph_us([op("apply", i) for i in idx], reps)
+    result["shrink_us"] = graph_us([op("shrink", i) for i in idx], reps)
+    result["expand_us"] = graph_us([op("expand", i) for i in idx], reps)
+    a, b = layer.weights[0]
+    result["ref_us"] = 1e3 * event_ms(
+        lambda: lora_apply_ref(xs[0], ys[0], a, b, slot_rank, meta, layer.offsets), 5, 1)
+    return result, op, idx
+
+
+def plan(mode):
+    """(layer, T, n, pop, rank set) cases: one factor at a time around BASE, or all."""
+    layers, tokens = list(LAYERS), TOKENS
+    if mode == "quick":
+        layers, tokens = ["qkv", "gate_up"], (1, 64, 4096)
+    if mode == "full":
+        return [(lay, t, n, p, r) for lay in layers for r in RANK_SETS for t in tokens
+                for n in ADAPTERS for p in POPULARITY]
+    variants = [BASE] + [dict(BASE, n=n) for n in ADAPTERS if n != BASE["n"]]
+    variants += [dict(BASE, pop=p) for p in POPULARITY if p != BASE["pop"]]
+    variants += [dict(BASE, ranks=r) for r in RANK_SETS if r != BASE["ranks"]]
+    if mode == "quick":
+        variants = [BASE, dict(BASE, pop="identical"), dict(BASE, ranks="mixed")]
+    cases = [(lay, t, v["n"], v["pop"], v["ranks"]) for lay in layers for t in tokens
+             for v in variants]
+    return sorted(cases, key=lambda c: (c[0], max(RANK_SETS[c[4]])))
+
+
+SHRINK_SWEEP = {
+    "decode": [ShrinkConfig(16, 16, bk, sk, nw, ns) for bk, sk, nw, ns in [
+        (256, 8, 4, 3), (128, 8, 4, 3), (256, 4, 4, 3), (256, 16, 4, 2), (512, 8, 4, 2),
+        (128, 16, 4, 3), (256, 8, 8, 3), (64, 16, 4, 4)]],
+    "prefill": [ShrinkConfig(bm, bn, bk, sk, nw, ns) for bm, bn, bk, sk, nw, ns in [
+        (64, 64, 64, 4, 8, 4), (64, 64, 64, 2, 4, 4), (128, 64, 64, 4, 8, 3),
+        (128, 64, 64, 1, 8, 3), (64, 64, 128, 4, 8, 3), (64, 32, 64, 4, 4, 4),
+        (128, 64, 128, 2, 8, 3), (64, 64, 64, 8, 4, 4)]],
+}
+EXPAND_SWEEP = {
+    "decode": [ExpandConfig(16, bn, 16, nw, ns) for bn, nw, ns in [
+        (64, 4, 2), (128, 4, 2), (256, 4, 2), (32, 4, 2), (128, 2, 2), (256, 8, 2)]],
+    "prefill": [ExpandConfig(bm, bn, 16, nw, ns) for bm, bn, nw, ns in [
+        (64, 128, 8, 2), (64, 128, 4, 2), (128, 128, 8, 2), (64, 256, 8, 2),
+        (32, 128, 4, 2), (128, 64, 4, 2), (64, 64, 4, 2)]],
+}
+
+
+def sweep(layers, rng, reps):
+    """Time alternative kernel shapes at the BASE point (decode T=64, prefill T=4096)."""
+    rows = []
+    for name, num_tokens in [("qkv", 8), ("qkv", 64), ("down", 64), ("qkv", 4096), ("gate_up", 4096)]:
+        _, op, idx = run_case(layers(name, 16), num_tokens, BASE["n"], BASE["pop"], BASE["ranks"],
+                              rng, reps)
+        shape = "decode" if num_tokens <= 64 else "prefill"
+        for kind, table in (("shrink", SHRINK_SWEEP), ("expand", EXPAND_SWEEP)):
+            for cfg in table[shape]:
+                cfg_args = dict(shrink_cfg=cfg) if kind == "shrink" else dict(expand_cfg=cfg)
+                us = graph_us([op(kind, i, **cfg_args) for i in idx], reps)
+                rows.append(dict(layer=name, T=num_tokens, kind=kind, config=repr(cfg), us=us))
+                print(f"sweep {name:8s} T={num_tokens:5d} {kind:6s} {us:9.2f} us  {cfg}")
+    return rows
+
+
+def mixed_vs_alone(layers, names, tokens, rng, reps):
+    """Mixed ranks {8,16,32,64} in one launch vs the sum of each rank's slots alone."""
+    rows = []
+    for name in names:
+        for num_tokens in tokens:
+            layer = layers(name, 64)
+            seed = int(rng.integers(1 << 30))
+            mixed, _, _ = run_case(layer, num_tokens, 8, "uniform", "mixed",
+                                   np.random.default_rng(seed), reps)
+            alone = [run_case(layer, num_tokens, 8, "uniform", "mixed",
+                              np.random.default_rng(seed), reps, only_rank=r)[0]["us"]
+                     for r in RANK_SETS["mixed"]]
+            rows.append(dict(layer=name, T=num_tokens, mixed_us=mixed["us"], alone_us=alone,
+                             ratio=mixed["us"] / sum(alone)))
+            print(f"mixed {name:8s} T={num_tokens:5d} mixed {mixed['us']:8.2f} us  alone "
+                  f"{' + '.join(f'{u:.2f}' for u in alone)} = {sum(alone):8.2f} us  "
+                  f"ratio {rows[-1]['ratio']:.2f}")
+    return rows
+
+
+def add_floor(row, bw, rate):
+    row["byte_floor_us"] = 1e6 * row["bytes"] / bw
+    row["flop_floor_us"] = 1e6 * row["flops"] / rate
+    row["floor_us"] = max(row["byte_floor_us"], row["flop_floor_us"])
+    row["pct_floor"] = 100 * row["floor_us"] / row["us"]
+    row["speedup"] = row["ref_us"] / row["us"]
+    return row
+
+
+def print_row(r):
+    print(f"{r['layer']:8s} {r['T']:5d} {r['n']:3d} {r['pop']:9s} {r['ranks']:5s} "
+          f"{r['us']:9.2f} {r['shrink_us']:8.2f} {r['expand_us']:8.2f} {r['bytes'] / 1e6:9.3f} "
+          f"{r['flops'] / 1e6:9.1f} {r['floor_us']:8.2f} {r['pct_floor']:6.1f} "
+          f"{r['ref_us']:9.1f} {r['speedup']:7.1f}")
+
+
+HEADER = (f"{'layer':8s} {'T':>5s} {'n':>3s} {'pop':9s} {'ranks':5s} {'us':>9s} {'shrink':>8s} "
+          f"{'expand':>8s} {'MB':>9s} {'MFLOP':>9s} {'floor':>8s} {'%floor':>6s} "
+          f"{'ref_us':>9s} {'speedup':>7s}")
+
+
+def targets(rows, mixed):
+    """Lines that compare the measurements with the issue's targets."""
+    base = [r for r in rows if (r["n"], r["pop"], r["ranks"]) == tuple(BASE.values())]
+    out = []
+    for r in base:
+        if r["T"] <= 64:
+            ok = r["us"] <= 2 * r["floor_us"] or r["us"] / 2 < 6
+            out.append(f"decode  {r['layer']:8s} T={r['T']:4d}: {r['us']:.2f} us, floor "
+                       f"{r['floor_us']:.2f} us ({r['us'] / r['floor_us']:.1f}x), "
+                       f"{r['us'] / 2:.2f} us/launch -> {'met' if ok else 'MISSED'}")
+        if r["T"] == 4096:
+            ok = r["us"] <= 2 * r["floor_us"]
+            out.append(f"prefill {r['layer']:8s}: {r['us']:.1f} us vs floor {r['floor_us']:.1f} us "
+                       f"({r['us'] / r['floor_us']:.2f}x) -> {'met' if ok else 'MISSED'}")
+    for m in mixed:
+        out.append(f"mixed   {m['layer']:8s} T={m['T']:4d}: {m['ratio']:.2f}x the sum alone -> "
+                   f"{'met' if m['ratio'] <= 1.1 else 'MISSED'}")
+    small = [r for r in rows if r["T"] <= 64]
+    if small:
+        worst = min(small, key=lambda r: r["speedup"])
+        out.append(f"speedup over the torch reference, T <= 64: min {worst['speedup']:.1f}x "
+                   f"({worst['layer']} T={worst['T']} n={worst['n']} {worst['pop']}) -> "
+                   f"{'met' if worst['speedup'] >= 3 else 'MISSED'}")
+    return out
+
+
+def plot(data, path):
+    """Time and share of the floor against T, per layer, at the BASE point."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, name in enumerate(LAYERS):
+        rows = sorted((r for r in data["cases"] if r["layer"] == name and
+                       (r["n"], r["pop"], r["ranks"]) == tuple(BASE.values())), key=lambda r: r["T"])
+        if not rows:
+            continue
+        t = [r["T"] for r in rows]
+        color = f"C{i}"
+        ax_t.plot(t, [r["us"] for r in rows], "o-", color=color, label=f"{name} kernels")
+        ax_t.plot(t, [r["floor_us"] for r in rows], "--", color=color, label=f"{name} floor")
+        ax_t.plot(t, [r["ref_us"] for r in rows], ":", color=color, label=f"{name} torch ref")
+        ax_p.plot(t, [r["pct_floor"] for r in rows], "o-", color=color, label=name)
+    for ax in (ax_t, ax_p):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.grid(alpha=0.3)
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("us per shrink + expand")
+    ax_t.legend(fontsize=6, ncol=2)
+    ax_p.set_ylabel("% of floor")
+    ax_p.legend(fontsize=8)
+    fig.suptitle(f"LoRA kernels, 8 adapters r=16 uniform, bf16 — {data['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="a short run: 2 layers, 3 token counts")
+    size.add_argument("--full", action="store_true", help="every combination (long)")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative kernel shapes")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--out", default="benchmarks/results/")
+    parser.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a JSON result")
+    args = parser.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f), os.path.splitext(args.plot)[0] + ".png")
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA device")
+    os.makedirs(args.out, exist_ok=True)
+    rng = np.random.default_rng(0)
+    props = torch.cuda.get_device_properties(0)
+    pool = {}
+
+    def layers(name, rank_max):
+        if (name, rank_max) not in pool:
+            pool.clear()
+            torch.cuda.empty_cache()
+            pool[(name, rank_max)] = Layer(name, rank_max, props.L2_cache_size, 6 << 30)
+        return pool[(name, rank_max)]
+
+    bw, rate = ceilings()
+    print(f"{props.name}: copy {bw / 1e12:.2f} TB/s (read + write), bf16 GEMM "
+          f"{rate / 1e12:.0f} TFLOP/s, L2 {props.L2_cache_size >> 20} MiB")
+    data = dict(device=props.name, date=datetime.date.today().isoformat(),
+                torch=torch.__version__, triton=triton.__version__, bandwidth=bw, matmul=rate,
+                max_loras=MAX_LORAS, dtype=str(DTYPE), cases=[], mixed=[], sweep=[])
+    if args.sweep:
+        data["sweep"] = sweep(layers, rng, args.reps)
+    print(HEADER)
+    mode = "quick" if args.quick else "full" if args.full else "default"
+    for layer, t, n, pop, ranks in plan(mode):
+        row = add_floor(run_case(layers(layer, max(RANK_SETS[ranks])), t, n, pop, ranks, rng,
+                                 args.reps)[0], bw, rate)
+        data["cases"].append(row)
+        print_row(row)
+    names = ["qkv"] if args.quick else list(LAYERS)
+    data["mixed"] = mixed_vs_alone(layers, names, (64, 4096), rng, args.reps)
+    data["targets"] = targets(data["cases"], data["mixed"])
+    print("\n".join(data["targets"]))
+    path = os.path.join(args.out, "lora_kernels.json")
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    try:
+        plot(data, os.path.join(args.out, "lora_kernels.png"))
+    except ImportError:
+        print("matplotlib is missing: redraw later with --plot", path)
+
+
+if __name__ == "__main__":
+    main()

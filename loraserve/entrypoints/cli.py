@@ -1,0 +1,122 @@
+"""The `loraserve` command: generate, serve, bench."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _lora_pair(text: str) -> tuple[str, str]:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    return name, path
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompts", nargs="*", help="prompts (default: read --prompts-file, or one example prompt)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--model", default=None,
+                   help="HF model folder, .gguf file or synthetic:NAME (default: SmolLM2-135M-Instruct, built in)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: auto)")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    p.add_argument("--stop", nargs="*", default=None, help="stop strings")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--lora", nargs="+", type=_lora_pair, default=[], metavar="NAME=PATH", help="adapters to register")
+    p.add_argument("--use-lora", default=None, metavar="NAME", help="generate with this registered adapter")
+    p.add_argument("--max-loras", type=int, default=4)
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-cpu-loras", type=int, default=16)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from loraserve import LLM, LoRARequest, SamplingParams
+
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        with open(args.prompts_file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        prompts = ["What is the capital of France?"]
+    if args.use_lora and args.use_lora not in {n for n, _ in args.lora}:
+        raise SystemExit(f"--use-lora {args.use_lora!r} is not one of the adapters given with --lora")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    lora_options = {}
+    if args.lora:
+        lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                            max_cpu_loras=args.max_cpu_loras)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed, **lora_options)
+    for name, path in args.lora:
+        llm.add_lora(LoRARequest(name, path))
+    lora = LoRARequest(args.use_lora) if args.use_lora else None
+    start = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, lora)
+    else:
+        outputs = llm.generate(prompts, params, lora)
+    elapsed = time.perf_counter() - start
+    n_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    for prompt, out in zip(prompts, outputs):
+        print(f"### {prompt}\n{out.outputs[0].text}\n[{len(out.outputs[0].token_ids)} tokens, "
+              f"finish: {out.outputs[0].finish_reason}]\n")
+    print(f"{n_tokens} tokens in {elapsed:.2f} s: {n_tokens / elapsed:.1f} tokens/s")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_generate_arguments(sub.add_parser("generate", help="generate text for prompts (offline)"))
+    from loraserve.entrypoints.serve_cli import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
+    bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
+    bench.add_argument("which", choices=["decode", "throughput", "lora", "lora-kernels"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+    return parser
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = {"decode": "decode.py", "throughput": "throughput.py", "lora": "lora_decode.py",
+              "lora-kernels": "lora_kernels.py"}[args.which]
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / script
+    if not path.is_file():
+        raise SystemExit(f"benchmark script {path} not found (benchmarks live in the source checkout)")
+    sys.argv = [str(path)] + list(args.args)
+    runpy.run_path(str(path), run_name="__main__")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "generate":
+        try:
+            return run_generate(args)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+    if args.command == "serve":
+        from loraserve.entrypoints.serve_cli import run_server
+
+        run_server(args)
+        return 0
+    return run_bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

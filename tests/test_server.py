@@ -1,0 +1,330 @@
+"""The OpenAI-compatible server on localhost, driven by the real `openai` client.
+
+One tiny random Llama served with API key, runtime adapter updates and a
+--lora-root; every endpoint, the streaming format, adapters by name, load and
+unload (with requests in flight), client disconnects, and each error status.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import httpx
+import openai
+import pytest
+import torch
+from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401
+from server_harness import metric, read_metrics, serve, wait_until_idle
+
+from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.engine.engine import LLMEngine
+from loraserve.entrypoints.server import ServerSettings
+from loraserve.lora.request import LoRARequest
+
+KEY = "test-key"
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def paths(tiny_model_factory, tmp_path_factory):
+    model = tiny_model_factory("llama")
+    base = tmp_path_factory.mktemp("server")
+    root, outside = base / "loras", base / "outside"
+    specs = [dict(name="a0", r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]),
+             dict(name="a1", r=8, lora_alpha=8, target_modules=MODULES),
+             dict(name="a2", r=8, lora_alpha=16, target_modules=["o_proj", "down_proj"]),
+             dict(name="big", r=32, lora_alpha=32, target_modules=["q_proj"])]
+    adapters = dict(zip([s["name"] for s in specs], make_lora_adapters(model, root, specs)))
+    make_lora_adapters(model, outside, [dict(name="evil", r=4, target_modules=["q_proj"])])
+    return {"model": model, "root": str(root), "outside": str(outside), **adapters}
+
+
+@pytest.fixture(scope="module")
+def engine(paths):
+    llm = LLMEngine(paths["model"], device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+                    max_cpu_loras=4, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    for name in ("a0", "a1"):
+        llm.add_lora(LoRARequest(name, paths[name]))
+    async_engine = AsyncLLMEngine(llm, max_waiting_requests=4)
+    async_engine.start()
+    yield async_engine
+    async_engine.shutdown(drain=False)
+
+
+@pytest.fixture(scope="module")
+def url(engine, paths):
+    settings = ServerSettings(api_key=KEY, enable_runtime_lora_updates=True, lora_roots=(paths["root"],),
+                              lora_modules=(("a0", paths["a0"]), ("a1", paths["a1"])))
+    with serve(engine, settings) as base_url:
+        yield base_url
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    return engine.model_name
+
+
+def status_of(call) -> tuple[int, dict]:
+    with pytest.raises(openai.APIStatusError) as info:
+        call()
+    return info.value.status_code, info.value.body
+
+
+def load(client, name, path):
+    return client.post("/load_lora_adapter", body={"lora_name": name, "lora_path": path}, cast_to=httpx.Response)
+
+
+def unload(client, name):
+    return client.post("/unload_lora_adapter", body={"lora_name": name}, cast_to=httpx.Response)
+
+
+# ---- generation ------------------------------------------------------------------------------------
+
+
+def test_completion_matches_its_stream_and_counts_usage(client, base, engine):
+    kw = dict(model=base, prompt="The quick brown fox", max_tokens=6, temperature=0, logprobs=2)
+    full = client.completions.create(**kw)
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and full.usage.completion_tokens == 6
+    prompt_len = len(engine.tokenizer.encode("The quick brown fox"))
+    assert full.usage.prompt_tokens == prompt_len and full.usage.total_tokens == prompt_len + 6
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(v <= 0 for v in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == choice.text
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"] and chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_n_choices_with_seed_are_reproducible(client, base):
+    kw = dict(model=base, prompt=["Hello", "Serving many adapters"], max_tokens=5, n=2, seed=7, temperature=1.0)
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1, 2, 3]
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]
+    assert first.usage.completion_tokens == 20
+
+
+def test_stop_string_cuts_text_in_full_and_streamed_answers(client, base):
+    text = client.completions.create(model=base, prompt="Hello, world!", max_tokens=12, temperature=0).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    kw = dict(model=base, prompt="Hello, world!", max_tokens=12, temperature=0, stop=[stop])
+    cut = client.completions.create(**kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:text.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True))
+    assert streamed == cut.text
+
+
+def test_chat_full_and_streamed(client, base):
+    kw = dict(model="a1", messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+              max_tokens=5, temperature=0)
+    full = client.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length" and full.model == "a1"
+    assert len(choice.logprobs.content) == 5 and all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+def test_adapters_change_the_output(client, base):
+    def first_logprob(model):
+        r = client.completions.create(model=model, prompt="Hello", max_tokens=1, temperature=0, logprobs=0)
+        return r.choices[0].logprobs.token_logprobs[0]
+
+    values = [first_logprob(m) for m in (base, "a0", "a1")]
+    assert len({round(v, 5) for v in values}) == 3, values
+
+
+def test_models_list_and_retrieve(client, base, paths):
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) >= {base, "a0", "a1"}
+    assert models[base].parent is None and models["a0"].parent == base and models["a1"].parent == base
+    assert models["a0"].root == paths["a0"]
+    assert client.models.retrieve("a1").parent == base
+    assert status_of(lambda: client.models.retrieve("nope"))[0] == 404
+
+
+# ---- runtime adapters --------------------------------------------------------------------------------
+
+
+def test_load_use_and_unload_while_in_flight(client, url, base, paths):
+    response = load(client, "a2", os.path.join(paths["root"], "a2"))
+    assert response.status_code == 200
+    assert "a2" in {m.id for m in client.models.list().data}
+    stream = client.completions.create(model="a2", prompt="Hello", max_tokens=200, stream=True,
+                                       extra_body={"ignore_eos": True}, stream_options={"include_usage": True})
+    chunks = [next(stream)]
+    assert unload(client, "a2").status_code == 200  # the request in flight keeps its adapter
+    assert metric(read_metrics(url), "loraserve_lora_requests_in_flight", adapter="a2") == 1
+    status, body = status_of(lambda: client.completions.create(model="a2", prompt="Hello", max_tokens=2))
+    assert status == 404 and "a2" in body["message"]
+    chunks += list(stream)
+    assert chunks[-1].usage.completion_tokens == 200
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert "a2" not in {m.id for m in client.models.list().data}
+    assert metric(wait_until_idle(url), "loraserve_lora_requests_in_flight", adapter="a2") == 0
+    assert status_of(lambda: unload(client, "a2"))[0] == 404
+
+
+def test_load_conflicts(client, base, paths):
+    assert status_of(lambda: load(client, "a0", paths["a2"]))[0] == 409
+    assert status_of(lambda: load(client, base, paths["a2"]))[0] == 409
+    assert load(client, "a0", paths["a0"]).status_code == 200  # same name and path: nothing to do
+
+
+def _bad_adapters(paths):
+    root = paths["root"]
+    cases = {"dotdot": (os.path.join(root, "..", "outside", "evil"), "lora-root")}
+    os.symlink(os.path.join(paths["outside"], "evil"), os.path.join(root, "link-out"))
+    cases["symlink"] = (os.path.join(root, "link-out"), "lora-root")
+    inner = os.path.join(root, "inner-link")
+    os.makedirs(inner)
+    shutil.copy(os.path.join(paths["a0"], "adapter_config.json"), inner)
+    os.symlink(os.path.join(paths["outside"], "evil", "adapter_model.safetensors"),
+               os.path.join(inner, "adapter_model.safetensors"))
+    cases["inner-symlink"] = (inner, "lora-root")
+    pickle_only = os.path.join(root, "pickle-only")
+    os.makedirs(pickle_only)
+    shutil.copy(os.path.join(paths["a0"], "adapter_config.json"), pickle_only)
+    torch.save({"x": torch.zeros(2)}, os.path.join(pickle_only, "adapter_model.bin"))
+    cases["pickle"] = (pickle_only, "adapter_model.safetensors")
+    for name, content, needle in (("huge-config", "{" + " " * (2 << 20) + "}", "too large"),
+                                  ("broken-config", "{not json", "not valid JSON")):
+        folder = os.path.join(root, name)
+        shutil.copytree(paths["a0"], folder)
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            f.write(content)
+        cases[name] = (folder, needle)
+    cases["rank"] = (paths["big"], "max_lora_rank")
+    cases["missing"] = (os.path.join(root, "does-not-exist"), "not a directory")
+    return cases
+
+
+def test_bad_adapters_are_refused_and_the_server_keeps_serving(client, base, paths):
+    before = {m.id for m in client.models.list().data}
+    for case, (path, needle) in _bad_adapters(paths).items():
+        status, body = status_of(lambda: load(client, f"bad-{case}", path))
+        assert status == 400 and needle in body["message"], (case, body)
+    assert {m.id for m in client.models.list().data} == before
+    assert client.completions.create(model="a0", prompt="Hello", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_runtime_updates_are_off_by_default(engine):
+    with serve(engine, ServerSettings()) as other:
+        assert httpx.get(f"{other}/v1/models").status_code == 200  # no key configured
+        response = httpx.post(f"{other}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/tmp"})
+        assert response.status_code == 404 and "error" in response.json()
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra,param", [
+    (dict(top_p=1.5), "top_p"), (dict(temperature=2.5), "temperature"), (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
+    (dict(extra_body={"frequency_penality": 1}), "frequency_penality")])
+def test_bad_values_are_400(client, base, extra, param):
+    status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", **{"max_tokens": 2, **extra}))
+    assert status == 400 and body["param"] == param and body["type"] == "invalid_request_error"
+
+
+def test_prompt_too_long_is_400(client, base):
+    status, body = status_of(lambda: client.completions.create(model=base, prompt=[5] * MAX_MODEL_LEN, max_tokens=2))
+    assert status == 400 and body["code"] == "context_length_exceeded"
+    status, body = status_of(lambda: client.chat.completions.create(
+        model=base, messages=[{"role": "user", "content": "word " * 2 * MAX_MODEL_LEN}]))
+    assert status == 400 and "max_model_len" in body["message"]
+    status, body = status_of(lambda: client.chat.completions.create(
+        model=base, messages=[{"role": "user", "content": "x"}], top_logprobs=2))
+    assert status == 400 and body["param"] == "top_logprobs"
+
+
+def test_wrong_types_and_bad_json_are_422(client, url, base):
+    status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", max_tokens="many"))
+    assert status == 422 and body["param"] == "max_tokens"
+    status, _ = status_of(lambda: client.chat.completions.create(model=base, messages="not a list"))
+    assert status == 422
+    response = httpx.post(f"{url}/v1/completions", content=b'{"model": ', headers={
+        "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert response.status_code == 422 and response.json()["error"]["message"]
+    status, body = status_of(lambda: client.chat.completions.create(model=base, messages=[]))
+    assert status == 400 and body["param"] == "messages"
+
+
+def test_api_key_guards_every_v1_route(url, base):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/load_lora_adapter"),
+                             ("POST", "/v1/unload_lora_adapter"), ("POST", "/v1/chat/completions")):
+            response = httpx.request(method, f"{url}{path}", headers=headers, json={"model": base})
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_unknown_model_or_route_is_404(client, url, base):
+    assert status_of(lambda: client.completions.create(model="nope", prompt="Hi", max_tokens=2))[0] == 404
+    status, body = status_of(lambda: client.chat.completions.create(
+        model="nope", messages=[{"role": "user", "content": "x"}]))
+    assert status == 404 and body["code"] == "model_not_found"
+    response = httpx.get(f"{url}/v1/nothing-here", headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_full_waiting_queue_is_503_and_rolls_back(client, url, base):
+    status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", max_tokens=2, n=5))
+    assert status == 503 and body["code"] == "queue_full"
+    assert metric(read_metrics(url), "loraserve_requests_total", adapter="__base__", outcome="overloaded") >= 1
+    assert len(client.completions.create(model=base, prompt="Hi", max_tokens=2, n=4).choices) == 4
+
+
+# ---- disconnects, metrics, health ---------------------------------------------------------------------------
+
+
+def _aborted(url):
+    return metric(read_metrics(url), "loraserve_requests_total", adapter="__base__", outcome="aborted")
+
+
+def test_disconnects_abort_and_free_everything(url, base):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": base, "prompt": "Hello", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
+    aborted = _aborted(url)
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, headers=headers) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=httpx.Timeout(30, read=0.3))
+    samples = wait_until_idle(url)
+    assert metric(samples, "loraserve_kv_cache_blocks_used") == 0
+    assert metric(samples, "loraserve_num_requests_running") == 0
+    assert _aborted(url) == aborted + 2
+
+
+def test_metrics_names(client, url, base):
+    client.completions.create(model="a0", prompt="Hello", max_tokens=3)
+    samples = read_metrics(url)
+    names = {name for name, _ in samples}
+    for name in ("loraserve_requests_total", "loraserve_num_requests_running", "loraserve_num_requests_waiting",
+                 "loraserve_lora_slots_used", "loraserve_lora_slots_total", "loraserve_loras_on_gpu",
+                 "loraserve_loras_on_cpu", "loraserve_lora_load_seconds_count", "loraserve_kv_cache_blocks_used",
+                 "loraserve_kv_cache_blocks_total", "loraserve_kv_cache_usage_ratio",
+                 "loraserve_time_to_first_token_seconds_count", "loraserve_inter_token_latency_seconds_count"):
+        assert name in names, name
+    assert metric(samples, "loraserve_requests_total", adapter="a0", outcome="success") >= 1
+    assert metric(samples, "loraserve_lora_slots_total") == 2
+    assert metric(samples, "loraserve_lora_resident", adapter="a0", location="gpu") == 1
+    assert metric(samples, "loraserve_inter_token_latency_seconds_count") >= 2
