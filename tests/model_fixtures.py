@@ -98,7 +98,6 @@ def make_tiny_model(tmp_dir, arch: str, *, tokenizer=None, shards: bool = False,
 
     tokenizer = make_tokenizer() if tokenizer is None else tokenizer
     config = _config(arch, tokenizer, overrides)
-    torch.manual_seed(seed)  # transformers' own init, overwritten below, draws from the global generator
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, weight_std)
     folder = str(tmp_dir)

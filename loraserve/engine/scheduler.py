@@ -56,6 +56,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
+        self.num_preemptions = 0  # since start
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -136,6 +137,7 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
+        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

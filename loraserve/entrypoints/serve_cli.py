@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 
 from loraserve.lora.request import LoRARequest
 
@@ -80,10 +81,20 @@ def run_server(args: argparse.Namespace) -> None:
         lora_modules=modules)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, settings)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    # uvicorn handles SIGTERM/SIGINT itself: it closes the listening socket and waits for the open
+    # requests. Afterwards it raises the signal again for the handler it found; these quiet handlers
+    # make that a normal return, so the engine is shut down and the process exits with status 0.
+    previous = {sig: signal.signal(sig, _ignore_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     async_engine.start()
     try:
-        # uvicorn handles SIGTERM/SIGINT: it closes the listening socket and waits for open requests.
-        uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+        server.run()
     finally:
         async_engine.shutdown(drain=True)
-        logger.info("engine stopped")
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        logger.info("server and engine stopped")
+
+
+def _ignore_signal(signum, frame) -> None:
+    logger.info("received signal %d after the server stopped", signum)

@@ -1,0 +1,30 @@
+"""Reference outputs from HF transformers (+ PEFT): logprobs of every generated position, teacher-forced."""
+from __future__ import annotations
+
+import torch
+
+
+def load_hf_model(model_dir: str, dtype=torch.float32, device="cpu"):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(hf_model, prompt_ids: list[int], generated_ids: list[int], **forward_kwargs) -> torch.Tensor:
+    """[len(generated), V] fp32: HF's log-probabilities for each generated position given the tokens before it."""
+    ids = torch.tensor([prompt_ids + generated_ids], device=hf_model.device)
+    logits = hf_model(ids, **forward_kwargs).logits[0].float()  # [P + G, V]
+    start = len(prompt_ids) - 1
+    return torch.log_softmax(logits[start:start + len(generated_ids)], dim=-1).cpu()
+
+
+def assert_matches_reference(output, ref_logprobs: torch.Tensor, atol: float = 1e-4) -> None:
+    """Greedy tokens are HF's argmax at every position; every returned logprob is within atol of HF's."""
+    tokens = output.outputs[0].token_ids
+    assert len(tokens) == ref_logprobs.shape[0]
+    for pos, (token, entry) in enumerate(zip(tokens, output.outputs[0].logprobs)):
+        ref = ref_logprobs[pos]
+        assert token == int(ref.argmax()), f"position {pos}: token {token}, HF argmax {int(ref.argmax())}"
+        for tid, lp in entry.items():
+            assert abs(lp - float(ref[tid])) <= atol, f"position {pos} token {tid}: {lp} vs HF {float(ref[tid])}"
