@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -45,6 +46,18 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 150.0) -> N
     raise AssertionError("the server did not become healthy")
 
 
+def _wait_refused(port: int, timeout: float = 10.0) -> float:
+    """Poll until the listening socket is closed; returns the time it was first seen closed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        except ConnectionRefusedError:
+            return time.monotonic()
+        time.sleep(0.01)
+    raise AssertionError("the server kept accepting connections after SIGTERM")
+
+
 def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_path):
     model = tiny_model_factory("llama")
     (adapter,) = make_lora_adapters(model, tmp_path, [dict(name="ad", r=4, target_modules=["q_proj"])])
@@ -56,16 +69,21 @@ def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_pat
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc)
-        body = {"model": "ad", "prompt": "Hello", "max_tokens": 120, "ignore_eos": True, "stream": True,
+        body = {"model": "ad", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
+        arrivals: list[tuple[float, str]] = []  # (time, line), read as soon as each chunk arrives
         with httpx.stream("POST", f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer k"},
                           timeout=120) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
+            reader = threading.Thread(target=lambda: arrivals.extend((time.monotonic(), x) for x in lines if x))
+            reader.start()
             proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["usage"]["completion_tokens"] == 120
+            refused_at = _wait_refused(port)
+            reader.join(120)
+        assert arrivals[-1][1] == "data: [DONE]"
+        assert json.loads(arrivals[-2][1][len("data: "):])["usage"]["completion_tokens"] == 200
+        assert arrivals[-1][0] > refused_at  # the request was still generating while the server shut down
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:

@@ -47,17 +47,19 @@ def _expand_kernel(
     PRECISION: tl.constexpr,
 ):
     n_tile = tl.program_id(0)
-    slot, m_tile = slot_tile(tl.program_id(1), rank_ptr, count_ptr, num_loras, LORAS_P2, BLOCK_M)
+    slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
+                                                 num_loras, LORAS_P2, BLOCK_M)
     if slot >= num_loras:
         return
-    rank = tl.load(rank_ptr + slot)
-    count = tl.load(count_ptr + slot)
-    start = tl.load(start_ptr + slot)
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
     tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
     col0 = n_tile * BLOCK_N
     cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+    # y is read before the products so that its load overlaps theirs
+    y = y_ptr + tok.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
+    mask = tok_ok[:, None] & (cols < n_out)[None, :]
+    old = tl.load(y, mask=mask, other=0.0)  # old: [BLOCK_M, BLOCK_N]
 
     inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
     b_cols = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
@@ -70,15 +72,12 @@ def _expand_kernel(
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_ok = offs_r < rank
-                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
-                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # a: [BLOCK_M, BLOCK_R]
                 b = tl.load(b_cols + offs_r[:, None] * stride_br,
                             mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # b: [BLOCK_R, BLOCK_N]
+                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
+                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # a: [BLOCK_M, BLOCK_R]
                 acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
 
-    y = y_ptr + tok.to(tl.int64)[:, None] * stride_yt + cols[None, :] * stride_yn
-    mask = tok_ok[:, None] & (cols < n_out)[None, :]
-    old = tl.load(y, mask=mask, other=0.0)
     tl.store(y, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
 
 

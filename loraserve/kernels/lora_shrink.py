@@ -46,18 +46,25 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
 
 
 @triton.jit
-def slot_tile(tile, rank_ptr, count_ptr, num_loras,
+def slot_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras,
               LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Map a flat token-tile index to (slot, tile within slot); slot >= num_loras if none."""
+    """Map a flat token-tile index to (slot, tile within slot, rank, count, start).
+
+    slot >= num_loras if the tile is past the last one. The three per-slot
+    vectors are read in one go, so this costs a single memory round trip.
+    """
     slots = tl.arange(0, LORAS_P2)
     ok = slots < num_loras
-    count = tl.load(count_ptr + slots, mask=ok, other=0)
+    count = tl.load(count_ptr + slots, mask=ok, other=0)  # count: [LORAS_P2]
     rank = tl.load(rank_ptr + slots, mask=ok, other=0)
-    tiles = tl.where(rank > 0, (count + BLOCK_M - 1) // BLOCK_M, 0)  # tiles: [LORAS_P2]
+    start = tl.load(start_ptr + slots, mask=ok, other=0)
+    tiles = tl.where(rank > 0, (count + BLOCK_M - 1) // BLOCK_M, 0)
     ends = tl.cumsum(tiles, 0)
     slot = tl.sum((ends <= tile).to(tl.int32), 0)
-    begin = tl.sum(tl.where(slots == slot, ends - tiles, 0), 0)
-    return slot, tile - begin
+    mine = slots == slot
+    m_tile = tile - tl.sum(tl.where(mine, ends - tiles, 0), 0)
+    return (slot, m_tile, tl.sum(tl.where(mine, rank, 0), 0), tl.sum(tl.where(mine, count, 0), 0),
+            tl.sum(tl.where(mine, start, 0), 0))
 
 
 @triton.jit
@@ -70,16 +77,14 @@ def _shrink_kernel(
 ):
     n_tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
-    slot, m_tile = slot_tile(tl.program_id(1), rank_ptr, count_ptr, num_loras, LORAS_P2, BLOCK_M)
+    slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
+                                                 num_loras, LORAS_P2, BLOCK_M)
     if slot >= num_loras:
         return
-    rank = tl.load(rank_ptr + slot)
     rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of A: [BLOCK_N]
     row_ok = (rows < sr) & (rows % rank_max < rank)
     if tl.max(row_ok.to(tl.int32), 0) == 0:
         return
-    count = tl.load(count_ptr + slot)
-    start = tl.load(start_ptr + slot)
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
     tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
@@ -109,10 +114,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
                 config: ShrinkConfig | None = None) -> None:
     """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
 
-    Every element of out is written: rows of tokens with a slot hold the
-    products for the first slot_rank ranks of each slice and zeros beyond;
-    rows of tokens without a slot are zero. `config` overrides the static
-    kernel shape (tests, tuning).
+    Defined on return: out[t, s*R + r] for every token t with a slot and
+    r < slot_rank[slot] (what lora_expand reads). Other elements are
+    unspecified (zero or untouched). `config` overrides the static kernel
+    shape (tests, tuning).
     """
     num_tokens, hidden = x.shape
     num_loras, sr, a_hidden = lora_a.shape
@@ -127,9 +132,10 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
                          f"got {list(out.shape)} {out.dtype}")
     check_meta(meta, slot_rank, num_tokens, num_loras)
     cfg = config or shrink_config(num_tokens, hidden, sr)
-    out.zero_()
     if num_tokens == 0:
         return
+    if cfg.split_k > 1:
+        out.zero_()  # split-K programs add their partial sums
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(sr, cfg.block_n) * cfg.split_k,
             triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))

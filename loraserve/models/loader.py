@@ -153,9 +153,10 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype) -> L
         path = gguf_loader.default_model_path() if model is None else model
         if not os.path.isfile(path):
             raise ModelLoadError(f"model file {path!r} does not exist")
-        config = gguf_loader.load_gguf_config(path)
+        gguf_file = gguf_loader.GGUFModelFile.open(path)
+        config = gguf_file.config()
         net = build_empty_model(config, device, dtype)
-        load_weights(net, gguf_loader.iter_gguf_weights(path))
+        load_weights(net, gguf_file.weights())
         tokenizer = gguf_loader.load_gguf_tokenizer(path)
         name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
         return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, None))
