@@ -38,6 +38,35 @@ def expand_config(num_tokens: int, n_out: int) -> ExpandConfig:
 
 
 @triton.jit
+def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                        stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
+                        NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        PRECISION: tl.constexpr, RANK_BY_8: tl.constexpr):
+    """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
+
+    RANK_BY_8: the caller knows rank % 8 == 0; rewriting rank as a multiple of 8
+    lets the compiler see that the rank masks cover whole 16-byte vectors, so
+    B and inter are read with vector loads.
+    """
+    if RANK_BY_8:
+        rank = (rank // 8) * 8
+    for s in tl.static_range(NUM_SLICES):
+        lo = SLICE_OFFSETS[s]
+        hi = SLICE_OFFSETS[s + 1]
+        if (col0 < hi) & (col0 + BLOCK_N > lo):
+            col_ok = (cols >= lo) & (cols < hi)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < rank * 8
+                b = tl.load(b_cols + offs_r[:, None] * stride_br,
+                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # b: [BLOCK_R, BLOCK_N]
+                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
+                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # a: [BLOCK_M, BLOCK_R]
+                acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
     num_tokens, n_out, rank_max, num_loras,
@@ -64,20 +93,14 @@ def _expand_kernel(
     inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
     b_cols = b_ptr + slot.to(tl.int64) * stride_bl + cols[None, :] * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in tl.static_range(NUM_SLICES):
-        lo = SLICE_OFFSETS[s]
-        hi = SLICE_OFFSETS[s + 1]
-        if (col0 < hi) & (col0 + BLOCK_N > lo):
-            col_ok = (cols >= lo) & (cols < hi)
-            for r0 in range(0, rank, BLOCK_R):
-                offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_ok = offs_r < rank
-                b = tl.load(b_cols + offs_r[:, None] * stride_br,
-                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # b: [BLOCK_R, BLOCK_N]
-                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
-                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # a: [BLOCK_M, BLOCK_R]
-                acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
-
+    if rank % 8 == 0:
+        acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                                  stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                  BLOCK_R, PRECISION, True)
+    else:
+        acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                                  stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                  BLOCK_R, PRECISION, False)
     tl.store(y, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
 
 

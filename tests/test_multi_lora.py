@@ -1,0 +1,181 @@
+"""Multi-LoRA against HF transformers + PEFT (CPU, fp32): mixed batches, churn, broken adapters."""
+import random
+
+import pytest
+import torch
+
+from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
+from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
+from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.errors import UnknownLoRAError
+
+ADAPTER_SPECS = [
+    {"name": "r4", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                               "gate_proj", "up_proj", "down_proj"]},
+    {"name": "r8_rslora", "r": 8, "lora_alpha": 32, "use_rslora": True,
+     "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]},
+    {"name": "qv_only", "r": 16, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    {"name": "pattern", "r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "gate_proj", "up_proj"],
+     "rank_pattern": {"gate_proj": 4}, "alpha_pattern": {"up_proj": 4}},
+]
+GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module")
+def lora_setup(tiny_model_factory, tmp_path_factory):
+    folder = tiny_model_factory("llama")
+    paths = make_lora_adapters(folder, tmp_path_factory.mktemp("adapters"), ADAPTER_SPECS, seed=1)
+    return folder, dict(zip([s["name"] for s in ADAPTER_SPECS], paths))
+
+
+def _peft_model(folder, adapters: dict[str, str]):
+    from peft import PeftModel
+
+    base = load_hf_model(folder)
+    names = list(adapters)
+    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    return model.eval()
+
+
+def test_mixed_adapter_batch_matches_peft(lora_setup):
+    folder, adapters = lora_setup
+    llm = LLM(folder, device="cpu", max_model_len=256, enable_lora=True, max_loras=4, max_lora_rank=16)
+    rng = random.Random(0)
+    rows = [None, "r4", "r8_rslora", "qv_only", "pattern", None, "r4", "pattern"]
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 30))] for _ in rows]
+    requests = [LoRARequest(name, adapters[name]) if name else None for name in rows]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests)
+    peft = _peft_model(folder, adapters)
+    for name, prompt, out in zip(rows, prompts, outputs):
+        assert out.lora_name == name
+        ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids,
+                                      adapter_names=[name or "__base__"])
+        assert_matches_reference(out, ref)
+    # the adapters really change the output: the base row's prompt under each adapter gives other logprobs
+    names = ["r4", "r8_rslora", "qv_only", "pattern"]
+    per_adapter = llm.generate([{"prompt_token_ids": prompts[0]}] * 4, GREEDY,
+                               lora_request=[LoRARequest(n) for n in names])
+    base_first = outputs[0].outputs[0].logprobs[0]
+    for out in per_adapter:
+        assert out.outputs[0].logprobs[0] != base_first
+
+
+def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_factory):
+    folder, _ = lora_setup
+    specs = [{"name": f"a{i}", "r": [4, 8, 16][i % 3], "lora_alpha": 16,
+              "target_modules": ["q_proj", "v_proj", "down_proj"]} for i in range(8)]
+    paths = make_lora_adapters(folder, tmp_path_factory.mktemp("churn"), specs, seed=7)
+    rng = random.Random(5)
+    jobs = [(rng.randrange(8), [rng.randrange(3, 1000) for _ in range(rng.randint(2, 12))]) for _ in range(200)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def run(llm, batch_size):
+        results = []
+        for start in range(0, len(jobs), batch_size):
+            chunk = jobs[start:start + batch_size]
+            outs = llm.generate([{"prompt_token_ids": p} for _, p in chunk], params,
+                                lora_request=[LoRARequest(f"a{i}", paths[i]) for i, _ in chunk])
+            results += [o.outputs[0].token_ids for o in outs]
+        return results
+
+    roomy = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=8, max_lora_rank=16,
+                max_cpu_loras=8)
+    expected = run(roomy, 1)
+    tight = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+                max_cpu_loras=3)
+    engine, manager = tight.engine, tight.engine.lora_manager
+    peak = {"slots": 0, "cpu": 0}
+    original_step = engine.step
+
+    def checked_step():
+        outputs = original_step()
+        running = {s.lora_name for s in engine.scheduler.running if s.lora_name}
+        assert running <= set(manager.resident_on_gpu), "a running adapter was evicted from its slot"
+        peak["slots"] = max(peak["slots"], manager.num_slots_used)
+        peak["cpu"] = max(peak["cpu"], len(manager.resident_on_cpu))
+        return outputs
+
+    engine.step = checked_step
+    assert run(tight, 16) == expected
+    assert peak["slots"] <= 2 and peak["cpu"] <= 3
+    assert peak["slots"] == 2
+    assert not manager.refcounts
+
+
+def test_unknown_adapter_and_lora_disabled(lora_setup):
+    folder, adapters = lora_setup
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_lora_rank=16)
+    with pytest.raises(UnknownLoRAError, match="nope"):
+        llm.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=LoRARequest("nope"))
+    plain = LLM(folder, device="cpu", max_model_len=64)
+    with pytest.raises(ValueError, match="enable_lora"):
+        plain.generate({"prompt_token_ids": [5, 6]}, GREEDY, lora_request=LoRARequest("r4", adapters["r4"]))
+
+
+def test_add_remove_list_and_in_flight_unload(lora_setup):
+    folder, adapters = lora_setup
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_lora_rank=16)
+    llm.add_lora(LoRARequest("r4", adapters["r4"]))
+    llm.add_lora(LoRARequest("qv", adapters["qv_only"]), pinned=True)
+    assert sorted(llm.list_loras()) == ["qv", "r4"]
+    expected = llm.generate({"prompt_token_ids": [7, 8, 9]}, GREEDY, LoRARequest("r4"))[0].outputs[0].token_ids
+    engine = llm.engine
+    engine.add_request("inflight", [7, 8, 9], GREEDY, LoRARequest("r4"))
+    engine.step()
+    llm.remove_lora("r4")
+    assert llm.list_loras() == ["qv"]
+    with pytest.raises(UnknownLoRAError):
+        engine.add_request("late", [7, 8, 9], GREEDY, LoRARequest("r4"))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert done[0].outputs[0].token_ids == expected
+    assert "r4" not in engine.lora_manager.resident_on_gpu and not engine.lora_manager.refcounts
+    with pytest.raises(UnknownLoRAError):
+        llm.remove_lora("r4")
+
+
+def test_broken_adapters_are_refused_and_engine_keeps_serving(lora_setup, tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from loraserve.lora.adapter import LoRAAdapterError
+
+    folder, adapters = lora_setup
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_lora_rank=8)
+    good = llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, LoRARequest("r4", adapters["r4"]))[0]
+
+    def broken(name, edit_config=None, edit_tensors=None, source="r4"):
+        dst = tmp_path / name
+        shutil.copytree(adapters[source], dst)
+        if edit_config:
+            cfg = json.loads((dst / "adapter_config.json").read_text())
+            edit_config(cfg)
+            (dst / "adapter_config.json").write_text(json.dumps(cfg))
+        if edit_tensors:
+            tensors = load_file(dst / "adapter_model.safetensors")
+            edit_tensors(tensors)
+            save_file(tensors, dst / "adapter_model.safetensors")
+        return str(dst)
+
+    def nan(t):
+        key = next(k for k in t if "lora_A" in k)
+        t[key][0, 0] = float("nan")
+
+    cases = {
+        "nan": (broken("nan", edit_tensors=nan), "NaN"),
+        "rank": (broken("rank", source="qv_only"), "max_lora_rank"),
+        "dora": (broken("dora", edit_config=lambda c: c.update(use_dora=True)), "DoRA"),
+        "target": (broken("target", edit_config=lambda c: c.update(target_modules=["foo_proj"])), "foo_proj"),
+    }
+    for name, (path, problem) in cases.items():
+        with pytest.raises(LoRAAdapterError, match=problem) as info:
+            llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, LoRARequest(name, path))
+        assert name in str(info.value)
+    again = llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, LoRARequest("r4"))[0]
+    assert again.outputs[0].token_ids == good.outputs[0].token_ids
+    assert sorted(llm.list_loras()) == ["r4"]
