@@ -51,11 +51,11 @@ class LLMEngine:
         if self.lora_config is not None:
             self.lora_manager = self._make_lora_manager(loaded.model)
         self.runner = ModelRunner(loaded.model, self.hf_config, self.device, self.dtype, self.cache_config,
-                                  self.scheduler_config, seed, max_loras if enable_lora else 0)
+                                  self.scheduler_config, seed, max_loras if enable_lora else 0, enforce_eager,
+                                  self.lora_manager.layers if self.lora_manager else None)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager, max_loras,
                                    self.lora_manager.pinned if self.lora_manager else None)
-        self.enforce_eager = enforce_eager
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
 

@@ -41,15 +41,13 @@ def expand_config(num_tokens: int, n_out: int) -> ExpandConfig:
 def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
                         stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
                         NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, RANK_BY_8: tl.constexpr):
+                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr):
     """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
 
-    RANK_BY_8: the caller knows rank % 8 == 0; rewriting rank as a multiple of 8
-    lets the compiler see that the rank masks cover whole 16-byte vectors, so
-    B and inter are read with vector loads.
+    The caller guarantees rank % RANK_ALIGN == 0. Writing the rank mask's bound
+    as a multiple of RANK_ALIGN (8) lets the compiler see that the mask covers
+    whole 16-byte vectors, so B and inter are read with vector loads.
     """
-    if RANK_BY_8:
-        rank = (rank // 8) * 8
     for s in tl.static_range(NUM_SLICES):
         lo = SLICE_OFFSETS[s]
         hi = SLICE_OFFSETS[s + 1]
@@ -57,7 +55,7 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
             col_ok = (cols >= lo) & (cols < hi)
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_ok = offs_r < rank * 8
+                r_ok = offs_r < (rank // RANK_ALIGN) * RANK_ALIGN
                 b = tl.load(b_cols + offs_r[:, None] * stride_br,
                             mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # b: [BLOCK_R, BLOCK_N]
                 a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
@@ -96,11 +94,11 @@ def _expand_kernel(
     if rank % 8 == 0:
         acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
                                   stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                  BLOCK_R, PRECISION, True)
+                                  BLOCK_R, PRECISION, 8)
     else:
         acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
                                   stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                  BLOCK_R, PRECISION, False)
+                                  BLOCK_R, PRECISION, 1)
     tl.store(y, (old.to(tl.float32) + acc).to(old.dtype), mask=mask)
 
 

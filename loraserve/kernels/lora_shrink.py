@@ -95,10 +95,10 @@ def _shrink_kernel(
     for kk in range(0, k_per_split, BLOCK_K):
         offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
         k_ok = offs_k < hidden
-        x = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                    mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
         a = tl.load(a_rows + offs_k[:, None] * stride_ak,
                     mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
+        x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                    mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
         acc += tl.dot(x, a, input_precision=PRECISION)
 
     out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on

@@ -40,6 +40,8 @@ class LoRAManager:
         self._slot_lru: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, oldest use first
         self._retired: dict[str, str] = {}  # name -> path: unregistered while requests were in flight
         self.load_seconds: list[float] = []
+        # slot writes go on a side stream from pinned memory; the step's stream waits on an event
+        self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- registry ---------------------------------------------------------------
     def register(self, name: str, path: str, pinned: bool = False) -> None:
@@ -100,11 +102,28 @@ class LoRAManager:
             return self._slot_lru[name]
         slot = self._free_slot(protected)
         adapter = self._cpu_adapter(name)
-        for layer_idx, layer in self.layers:
-            layer.write_slot(slot, [adapter.weights.get((layer_idx, m)) for m in layer.slice_names])
+        self._write_slot(slot, adapter)
         self._slots[slot] = name
         self._slot_lru[name] = slot
         return slot
+
+    def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy the adapter into `slot` of every layer; on CUDA on the side stream, which the
+        current stream then waits for, so the copy overlaps host work and earlier GPU work.
+
+        The slot was empty or held an adapter no running request uses, so no step in
+        flight reads it (steps sync on their sampled tokens before the next is scheduled).
+        """
+        if self._load_stream is None:
+            for layer_idx, layer in self.layers:
+                layer.write_slot(slot, [adapter.weights.get((layer_idx, m)) for m in layer.slice_names])
+            return
+        with torch.cuda.stream(self._load_stream):
+            for layer_idx, layer in self.layers:
+                layer.write_slot(slot, [adapter.weights.get((layer_idx, m)) for m in layer.slice_names])
+            done = torch.cuda.Event()
+            done.record(self._load_stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
 
     def _free_slot(self, protected: set[str]) -> int:
         if None in self._slots:

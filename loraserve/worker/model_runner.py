@@ -39,7 +39,8 @@ class ModelRunner:
     """Owns the model's device state: KV cache, sampler, LoRA step metadata, CUDA graphs."""
 
     def __init__(self, model, hf_config, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
-                 scheduler_config: SchedulerConfig, seed: int, max_loras: int = 0):
+                 scheduler_config: SchedulerConfig, seed: int, max_loras: int = 0, enforce_eager: bool = False,
+                 lora_layers: list | None = None):
         self.model = model
         self.device, self.dtype = device, dtype
         self.block_size = cache_config.block_size
@@ -57,6 +58,18 @@ class ModelRunner:
 
             self.lora_meta_builder = LoRAMetaBuilder(scheduler_config.max_num_batched_tokens
                                                      + scheduler_config.max_num_seqs, max_loras, device)
+        self.graph_runner = None
+        if device.type == "cuda" and not enforce_eager:
+            self._capture_graphs(scheduler_config.max_num_seqs, lora_layers)
+
+    def _capture_graphs(self, max_num_seqs: int, lora_layers: list | None) -> None:
+        from loraserve.worker.cuda_graphs import CUDAGraphRunner
+        from loraserve.worker.graph_check import verify_graphs
+
+        self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, self.max_blocks_per_seq, self.block_size,
+                                            self.dummy_block, self.device, self.lora_meta_builder)
+        self.graph_runner.capture()
+        verify_graphs(self.graph_runner, self.model, self.num_blocks, lora_layers)
 
     # -- KV cache -----------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -142,7 +155,13 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput, lora_slots: dict[str, int]) -> tuple[list[ScheduledSequence], SamplerOutput]:
         """Run the step; returns the sequences that sampled and their samples (in the same order)."""
         inputs = self.prepare(out.scheduled, lora_slots)
-        hidden = self.forward_eager(inputs)
+        graphs = self.graph_runner
+        if inputs.is_decode and graphs is not None and graphs.can_run(len(inputs.input_ids)):
+            lora = inputs.token_lora_slots if self.lora_meta_builder is not None else None
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+                                inputs.block_tables, lora)
+        else:
+            hidden = self.forward_eager(inputs)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
             return [], SamplerOutput([], [])
