@@ -107,7 +107,8 @@ def test_completion_matches_its_stream_and_counts_usage(client, base, engine):
 
 
 def test_n_choices_with_seed_are_reproducible(client, base):
-    kw = dict(model=base, prompt=["Hello", "Serving many adapters"], max_tokens=5, n=2, seed=7, temperature=1.0)
+    kw = dict(model=base, prompt=["Hello", "Serving many adapters"], max_tokens=5, n=2, seed=7, temperature=1.0,
+              presence_penalty=0.0)  # unsupported fields are accepted with their neutral value
     first, second = client.completions.create(**kw), client.completions.create(**kw)
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
     assert [c.text for c in first.choices] == [c.text for c in second.choices]
@@ -234,7 +235,7 @@ def test_runtime_updates_are_off_by_default(engine):
 @pytest.mark.parametrize("extra,param", [
     (dict(top_p=1.5), "top_p"), (dict(temperature=2.5), "temperature"), (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
-    (dict(extra_body={"frequency_penality": 1}), "frequency_penality")])
+    (dict(extra_body={"frequency_penality": 1}), "frequency_penality"), (dict(presence_penalty=0.5), "presence_penalty")])
 def test_bad_values_are_400(client, base, extra, param):
     status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", **{"max_tokens": 2, **extra}))
     assert status == 400 and body["param"] == param and body["type"] == "invalid_request_error"

@@ -35,14 +35,22 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.code}}
 
 
+# OpenAI fields loraserve does not implement, accepted only with the value that changes nothing.
+_NEUTRAL_ONLY = MappingProxyType({"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
+                                  "logit_bias": {}, "best_of": 1, "echo": False, "suffix": None})
+
+
 class _Body(BaseModel):
     """A request body; unknown fields are refused with 400 like OpenAI does."""
 
     model_config = ConfigDict(extra="allow")
 
     def check_unknown_fields(self) -> None:
-        for name in self.model_extra or {}:
-            raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
+        for name, value in (self.model_extra or {}).items():
+            if name not in _NEUTRAL_ONLY:
+                raise APIError(400, f"Unrecognized request argument supplied: {name}", param=name)
+            if value is not None and value != _NEUTRAL_ONLY[name]:
+                raise APIError(400, f"{name} is not supported (only {_NEUTRAL_ONLY[name]!r})", param=name)
 
 
 class StreamOptions(BaseModel):

@@ -26,7 +26,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `loraserve serve` (named as in vLLM where vLLM has them)."""
     parser.add_argument("--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="names the base model answers to (default: the model's name); the first is listed")
+                        help="names the base model answers to; the first is listed (default: the model's name and --model)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"),
@@ -75,8 +75,9 @@ def run_server(args: argparse.Namespace) -> None:
             engine.add_lora(LoRARequest(name, path))
         except ValueError as exc:
             raise SystemExit(f"--lora-modules {name}={path}: {exc}") from exc
+    names = args.served_model_name or [engine.model_name] + ([args.model] if args.model else [])
     settings = ServerSettings(
-        served_model_names=tuple(args.served_model_name or ()), api_key=args.api_key,
+        served_model_names=tuple(dict.fromkeys(names)), api_key=args.api_key,
         enable_runtime_lora_updates=args.enable_runtime_lora_updates, lora_roots=tuple(args.lora_root),
         lora_modules=modules)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)

@@ -144,7 +144,9 @@ class _OpenAIServer:
             stream = await self.engine.add_requests(specs)
         except Exception as exc:
             err = api_error_from(exc)
-            self.metrics.record_request(UNKNOWN_MODEL_LABEL if err.status == 404 else label, _outcome(err.status))
+            known = lora is None or body.model in self.adapter_paths  # no label per unknown name
+            self.metrics.record_request(label if known and err.status != 404 else UNKNOWN_MODEL_LABEL,
+                                        _outcome(err.status))
             raise err from exc
         builder = ResponseBuilder(
             chat=chat, response_id=response_id, model=body.model, created=int(time.time()), num_choices=len(specs),

@@ -24,6 +24,8 @@ from loraserve.lora.layers import LoRALinear
 
 logger = logging.getLogger(__name__)
 
+IN_MEMORY = "<in memory>"  # the path of adapters registered as objects: they can't be reloaded from disk
+
 
 class LoRAManager:
     def __init__(self, config: LoRAConfig, layers: list[tuple[int, LoRALinear]], spec: LoRAModelSpec,
@@ -57,6 +59,16 @@ class LoRAManager:
             self._cache_on_cpu(name, self._load_from_disk(name, path))
             self.paths[name] = path
         if pinned and name not in self.pinned:
+            self.pinned.add(name)
+            self._ensure_slot(name, protected=set())
+
+    def register_adapter(self, name: str, adapter: LoRAAdapter, pinned: bool = False) -> None:
+        """Register an adapter built in memory (benchmarks, tests); it stays in the CPU cache."""
+        if name in self.paths:
+            raise LoRAConflictError(f"LoRA adapter {name!r} is already registered")
+        self._cache_on_cpu(name, adapter.to(dtype=self.dtype, pin_memory=self.device.type == "cuda"))
+        self.paths[name] = IN_MEMORY
+        if pinned:
             self.pinned.add(name)
             self._ensure_slot(name, protected=set())
 
@@ -158,7 +170,8 @@ class LoRAManager:
         self._cpu[name] = adapter
         self._cpu.move_to_end(name)
         while len(self._cpu) > self.config.max_cpu_loras:
-            victim = next((n for n in self._cpu if n not in self.pinned and n != name), None)
+            victim = next((n for n in self._cpu if n not in self.pinned and n != name
+                           and self.paths.get(n) != IN_MEMORY), None)
             if victim is None:
                 break
             del self._cpu[victim]

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 SYNTHETIC_CONFIGS: dict[str, dict] = {
+    # a toy size for smoke-testing benchmarks on the CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+                 rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                 architectures=["LlamaForCausalLM"]),
     "llama-3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
                        rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
