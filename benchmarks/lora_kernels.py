@@ -127,7 +127,6 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
                   + rank_sum * (layer.num_slices * layer.hidden + layer.n_out))
     flops = 2 * int(tok_rank.sum()) * (layer.num_slices * layer.hidden + layer.n_out)
 
-    io_bytes = e * num_tokens * (layer.hidden + layer.n_out)
     sets = max(1, min(len(layer.weights), math.ceil(3 * layer.l2_bytes / max(1, nbytes))))
     xs = [torch.randn(num_tokens, layer.hidden, device="cuda", dtype=DTYPE) for _ in range(sets)]
     ys = [torch.randn(num_tokens, layer.n_out, device="cuda", dtype=DTYPE) for _ in range(sets)]
@@ -145,7 +144,7 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
         return lambda: lora_expand(inters[i], b, slot_rank, meta, layer.offsets, ys[i], expand_cfg)
 
     result = dict(layer=layer.name, T=num_tokens, n=n, pop=pop, ranks=rank_key,
-                  only_rank=only_rank, bytes=nbytes, flops=flops, io_bytes=io_bytes, sets=sets)
+                  only_rank=only_rank, bytes=nbytes, flops=flops, sets=sets)
     result["us"] = graph_us([op("apply", i) for i in idx], reps)
     result["shrink_us"] = graph_us([op("shrink", i) for i in idx], reps)
     result["expand_us"] = graph_us([op("expand", i) for i in idx], reps)
@@ -174,20 +173,18 @@ def plan(mode):
 
 
 SHRINK_SWEEP = {
-    "decode": [ShrinkConfig(16, 16, bk, sk, nw, ns) for bk, sk, nw, ns in [
-        (256, 8, 4, 3), (128, 8, 4, 3), (256, 16, 4, 2), (128, 16, 4, 3), (64, 16, 4, 4),
-        (256, 1, 4, 3), (512, 1, 4, 3), (128, 1, 4, 4), (512, 2, 4, 3)]],
+    "decode": [ShrinkConfig(16, 16, bk, 16, nw, ns) for bk, nw, ns in [
+        (128, 4, 3), (64, 4, 4), (256, 4, 2), (128, 8, 3)]],
     "prefill": [ShrinkConfig(bm, bn, bk, sk, nw, ns) for bm, bn, bk, sk, nw, ns in [
-        (64, 64, 64, 4, 8, 4), (64, 32, 64, 4, 4, 4), (64, 64, 64, 4, 4, 4), (64, 64, 128, 4, 4, 3),
-        (64, 64, 64, 2, 8, 4), (128, 64, 64, 4, 8, 3), (64, 16, 64, 4, 4, 4), (64, 64, 64, 1, 4, 4)]],
+        (64, 64, 64, 4, 8, 4), (64, 32, 64, 4, 4, 4), (64, 16, 64, 4, 4, 4),
+        (128, 32, 64, 4, 4, 3)]],
 }
 EXPAND_SWEEP = {
-    "decode": [ExpandConfig(bm, bn, 16, nw, ns) for bm, bn, nw, ns in [
-        (16, 64, 4, 2), (16, 128, 4, 2), (16, 256, 4, 2), (16, 128, 2, 2), (16, 256, 8, 2),
-        (32, 128, 4, 2), (16, 512, 4, 2)]],
-    "prefill": [ExpandConfig(bm, bn, 16, nw, ns) for bm, bn, nw, ns in [
-        (64, 128, 8, 2), (64, 128, 4, 2), (64, 64, 4, 2), (32, 128, 4, 2), (32, 256, 4, 2),
-        (64, 256, 4, 2), (128, 128, 8, 2), (32, 64, 4, 2)]],
+    "decode": [ExpandConfig(16, bn, 16, nw, 2, ct) for bn, nw, ct in [
+        (128, 2, 1), (128, 2, 2), (256, 4, 1), (256, 4, 2), (64, 2, 4), (128, 4, 1)]],
+    "prefill": [ExpandConfig(bm, bn, 16, nw, 2, ct) for bm, bn, nw, ct in [
+        (32, 128, 4, 1), (32, 128, 4, 2), (32, 128, 4, 4), (64, 128, 4, 4), (32, 64, 4, 4),
+        (32, 256, 4, 2), (16, 128, 4, 4), (64, 64, 4, 2)]],
 }
 
 
@@ -202,8 +199,10 @@ def sweep(layers, rng, reps):
     rows = []
     out = torch.empty(64, 48, device="cuda")
     rows.append(dict(kind="memset", us=graph_us([out.zero_] * 32, reps)))
-    rows.append(dict(kind="empty kernel", us=graph_us([lambda: _empty_kernel[(1,)](out)] * 32, reps)))
-    print(f"sweep memset of inter {rows[0]['us']:.2f} us, empty Triton kernel {rows[1]['us']:.2f} us")
+    rows.append(dict(kind="empty kernel", us=graph_us([lambda: _empty_kernel[(1,)](out)] * 32,
+                                                      reps)))
+    print(f"sweep memset of inter {rows[0]['us']:.2f} us, "
+          f"empty Triton kernel {rows[1]['us']:.2f} us")
     for name, num_tokens in [("qkv", 1), ("qkv", 64), ("gate_up", 64), ("down", 64), ("qkv", 4096),
                              ("gate_up", 4096)]:
         _, op, idx = run_case(layers(name, 16), num_tokens, BASE["n"], BASE["pop"], BASE["ranks"],
@@ -293,7 +292,8 @@ def plot(data, path):
     fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(13, 5))
     for i, name in enumerate(LAYERS):
         rows = sorted((r for r in data["cases"] if r["layer"] == name and
-                       (r["n"], r["pop"], r["ranks"]) == tuple(BASE.values())), key=lambda r: r["T"])
+                       (r["n"], r["pop"], r["ranks"]) == tuple(BASE.values())),
+                      key=lambda r: r["T"])
         if not rows:
             continue
         t = [r["T"] for r in rows]

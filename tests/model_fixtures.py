@@ -86,13 +86,41 @@ def _randomize(model, seed: int, std: float) -> None:
                 param.copy_(noise * (0.1 if name.endswith(".bias") else std))
 
 
+def _train_confident(model, steps: int, seed: int) -> None:
+    """A few Adam steps on a deterministic rule (next = (7 t + 3) mod V) so the model becomes confident.
+
+    Random tiny models have flat next-token distributions: bf16 rounding then flips greedy choices even
+    between HF's own bf16 and fp32 runs. A model trained to predict a rule has trained-model-like margins.
+    """
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    model.train()
+    for _ in range(steps):
+        start = torch.randint(0, vocab, (16, 1), generator=gen)
+        noise = torch.randint(0, vocab, (16, 24), generator=gen)
+        seq = [start]
+        for _ in range(23):
+            seq.append((7 * seq[-1] + 3) % vocab)
+        ids = torch.cat(seq, dim=1)
+        ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.1, noise, ids)  # some off-rule context
+        logits = model(ids).logits[:, :-1]
+        target = (7 * ids[:, :-1] + 3) % vocab
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), target.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
 def make_tiny_model(tmp_dir, arch: str, *, tokenizer=None, shards: bool = False, seed: int = 0,
-                    weight_std: float = WEIGHT_STD, **overrides) -> str:
+                    weight_std: float = WEIGHT_STD, train_steps: int = 0, **overrides) -> str:
     """Build a tiny random fp32 model of `arch` (see ARCHS), save it with a tokenizer into `tmp_dir`.
 
     `overrides` are config keywords (e.g. num_hidden_layers=3). `shards=True` writes several safetensors
     shards plus `model.safetensors.index.json`. With the default `weight_std` the logits have std ~1.2;
-    raise it for more peaked distributions (larger top-1 margins). Returns the folder as a str.
+    `train_steps` > 0 then trains it briefly to be confident (`_train_confident`), for bf16 comparisons.
+    Returns the folder as a str.
     """
     from transformers import AutoModelForCausalLM
 
@@ -100,6 +128,8 @@ def make_tiny_model(tmp_dir, arch: str, *, tokenizer=None, shards: bool = False,
     config = _config(arch, tokenizer, overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed, weight_std)
+    if train_steps:
+        _train_confident(model, train_steps, seed)
     folder = str(tmp_dir)
     os.makedirs(folder, exist_ok=True)
     model.save_pretrained(folder, max_shard_size="200KB" if shards else "1GB")

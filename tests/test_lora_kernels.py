@@ -70,7 +70,8 @@ def make_case(seed, hidden, slice_sizes, rank_max, num_loras, num_tokens, kind, 
     ranks[0] = rank_max
     if num_loras > 2:
         ranks[-1] = 0
-    a, b, slot_rank = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device, gen)
+    a, b, slot_rank = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device,
+                                   gen)
     adapters = rng.permutation(num_loras)  # may include the empty slot
     slots = assign_slots(kind, num_tokens, adapters, base_fraction, rng)
     builder = LoRAMetaBuilder(max_tokens or num_tokens + 3, num_loras, device)
@@ -105,14 +106,14 @@ def check_shrink_result(case, out, ref, rank_max, rtol=1e-5, atol=1e-5):
 
 def check_expand_result(case, y_before, y_kernel, y_ref, rtol=1e-5, atol=1e-5):
     """Rows without an adapter are bit-identical; every element matches the reference."""
-    untouched = torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]], dtype=torch.bool)
-    untouched = untouched.to(y_kernel.device)
+    untouched = torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]])
+    untouched = untouched.to(y_kernel.device, torch.bool)
     assert torch.equal(y_kernel[untouched], y_before[untouched])
     torch.testing.assert_close(y_kernel, y_ref, rtol=rtol, atol=atol)
 
 
 SPLIT_SHRINK = ShrinkConfig(16, 16, 32, 3)
-NARROW_EXPAND = ExpandConfig(16, 16, 16)
+NARROW_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3)
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -135,11 +136,12 @@ def test_kernels_match_reference(index):
     if s_cfg == PREFILL:
         s_cfg = shrink_config(4096, hidden, len(sizes) * rank_max)
     if e_cfg == PREFILL:
-        e_cfg = expand_config(4096, sum(sizes))
+        e_cfg = expand_config(4096)
     token_slots = case["meta"].token_slots
 
     out = torch.full((t, len(sizes) * rank_max), float("nan"), device=DEVICE)
-    lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out, s_cfg)
+    lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out,
+                s_cfg)
     ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], token_slots, case["num_slices"])
     check_shrink_result(case, out, ref, rank_max)
 

@@ -142,7 +142,8 @@ def test_meta_builder_back_to_back_builds():
                                             meta.slot_start, meta.slot_count)])
         keys = np.where(slots < 0, 16, slots)
         counts = np.bincount(keys, minlength=17)[:16]
-        expected.append((slots, np.argsort(keys, kind="stable"), np.cumsum(counts) - counts, counts))
+        order = np.argsort(keys, kind="stable")
+        expected.append((slots, order, np.cumsum(counts) - counts, counts))
     torch.cuda.synchronize()
     for (ts, ids, start, count), (slots, order, want_start, want_count) in zip(history, expected):
         t = len(slots)

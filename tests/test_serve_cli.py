@@ -1,4 +1,4 @@
-"""`run_server` in a subprocess (flags, --lora-modules, SIGTERM drain) and the server on the default model."""
+"""`loraserve serve` in a subprocess (flags, --lora-modules, SIGTERM drain) and the server on the default model."""
 from __future__ import annotations
 
 import json
@@ -20,11 +20,6 @@ from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.entrypoints.server import ServerSettings
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUN_SERVER = ("import argparse, sys\n"
-              "from loraserve.entrypoints.serve_cli import add_serve_arguments, run_server\n"
-              "parser = argparse.ArgumentParser()\n"
-              "add_serve_arguments(parser)\n"
-              "run_server(parser.parse_args(sys.argv[1:]))\n")
 
 
 def _free_port() -> int:
@@ -36,7 +31,7 @@ def _free_port() -> int:
 def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 150.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
+        assert proc.poll() is None, "the server exited early"
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return
@@ -62,10 +57,12 @@ def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_pat
     model = tiny_model_factory("llama")
     (adapter,) = make_lora_adapters(model, tmp_path, [dict(name="ad", r=4, target_modules=["q_proj"])])
     port = _free_port()
+    log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-c", RUN_SERVER, "--model", model, "--device", "cpu", "--port", str(port),
-         "--max-model-len", "256", "--lora-modules", f"ad={adapter}", "--api-key", "k", "--log-level", "warning"],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--model", model, "--device", "cpu",
+         "--port", str(port), "--max-model-len", "256", "--lora-modules", f"ad={adapter}", "--api-key", "k",
+         "--log-level", "warning"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(url, proc)
@@ -89,6 +86,8 @@ def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_pat
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        log.close()
+        print((tmp_path / "server.log").read_text())  # shown by pytest when the test fails
 
 
 @pytest.mark.slow

@@ -6,7 +6,6 @@ unload (with requests in flight), client disconnects, and each error status.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -235,7 +234,8 @@ def test_runtime_updates_are_off_by_default(engine):
 @pytest.mark.parametrize("extra,param", [
     (dict(top_p=1.5), "top_p"), (dict(temperature=2.5), "temperature"), (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
-    (dict(extra_body={"frequency_penality": 1}), "frequency_penality"), (dict(presence_penalty=0.5), "presence_penalty")])
+    (dict(extra_body={"frequency_penality": 1}), "frequency_penality"),
+    (dict(presence_penalty=0.5), "presence_penalty")])
 def test_bad_values_are_400(client, base, extra, param):
     status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", **{"max_tokens": 2, **extra}))
     assert status == 400 and body["param"] == param and body["type"] == "invalid_request_error"
@@ -262,6 +262,8 @@ def test_wrong_types_and_bad_json_are_422(client, url, base):
     assert response.status_code == 422 and response.json()["error"]["message"]
     status, body = status_of(lambda: client.chat.completions.create(model=base, messages=[]))
     assert status == 400 and body["param"] == "messages"
+    response = httpx.post(f"{url}/v1/completions", json={"model": base}, headers={"Authorization": f"Bearer {KEY}"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"  # missing, not mistyped
 
 
 def test_api_key_guards_every_v1_route(url, base):

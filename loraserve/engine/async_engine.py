@@ -205,6 +205,18 @@ class AsyncLLMEngine:
     # ---- engine thread ------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # also when the loop died of an unexpected error: nobody may wait forever
+            with self._cond:
+                self._closed = True
+                pending, self._commands = self._commands, []
+            for _, future in pending:
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(EngineClosedError("the engine stopped"))
+            self._fail_all(EngineClosedError("the engine stopped"))
+
+    def _loop(self) -> None:
         busy = False
         while True:
             with self._cond:
@@ -212,7 +224,6 @@ class AsyncLLMEngine:
                     self._cond.wait()
                 commands, self._commands = self._commands, []
                 if not commands and not busy:  # stopping, and nothing left to do
-                    self._closed = True
                     return
             for fn, future in commands:
                 if future.set_running_or_notify_cancel():

@@ -26,7 +26,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `loraserve serve` (named as in vLLM where vLLM has them)."""
     parser.add_argument("--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="names the base model answers to; the first is listed (default: the model's name and --model)")
+                        help="names the base model answers to; the first is listed "
+                             "(default: the model's name and the --model value)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"),
@@ -98,4 +99,4 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def _ignore_signal(signum, frame) -> None:
-    logger.info("received signal %d after the server stopped", signum)
+    logger.info("signal %d: the server has already drained and stopped", signum)

@@ -114,8 +114,9 @@ class _OpenAIServer:
         self.metrics = ServerMetrics()
         self.created = int(time.time())
         self._lora_roots = tuple(os.path.realpath(r) for r in settings.lora_roots)
-        tokenizer = engine.tokenizer
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda tid: tokenizer.decode([tid]))
+        tokenizer = engine.tokenizer  # None for models served by token ids only
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(
+            lambda tid: tokenizer.decode([tid]) if tokenizer is not None else f"<{tid}>")
 
     # ---- generation -----------------------------------------------------------------
 
@@ -136,7 +137,8 @@ class _OpenAIServer:
         return await self._generate(request, body, [prompt_ids], make, chat=True, arrival=arrival)
 
     async def _generate(self, request: Request, body, prompts: list, make, *, chat: bool, arrival: float) -> Response:
-        lora, label = (None, BASE_MODEL_LABEL) if body.model in self.model_names else (LoRARequest(body.model), body.model)
+        is_base = body.model in self.model_names
+        lora, label = (None, BASE_MODEL_LABEL) if is_base else (LoRARequest(body.model), body.model)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         specs = [GenerationRequest(f"{response_id}-{i}", prompts[i // body.n], make(i), lora)
                  for i in range(len(prompts) * body.n)]

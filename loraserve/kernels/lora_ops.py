@@ -2,9 +2,12 @@
 
 `lora_apply` runs the Triton kernels on CUDA tensors (and on CPU tensors under
 TRITON_INTERPRET=1), otherwise the torch reference. The kernel shape is chosen
-by the static token count T alone: T <= DECODE_MAX_TOKENS (64) takes the
-decode-shaped kernels (split-K shrink, one token tile per slot), larger T the
-prefill-shaped ones; so a CUDA graph bucket always gets the same kernels.
+by the static token count T alone, so a CUDA graph bucket always gets the same
+kernels: the shrink is decode-shaped (16-token tiles, K split up to 16 ways so
+that the few adapters' A rows are streamed by many programs) for
+T <= SHRINK_DECODE_MAX_TOKENS (256), the expand (16-token tiles) for
+T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the prefill shapes (larger
+tiles, little split; from T = 1024 each expand program walks 4 column tiles).
 Nothing here reads metadata on the host, syncs or allocates beyond the
 [T, S*R] float32 intermediate, so `lora_apply` can be captured in a CUDA graph.
 """
@@ -12,12 +15,13 @@ import os
 
 import torch
 
-from loraserve.kernels.lora_expand import lora_expand
+from loraserve.kernels.lora_expand import EXPAND_DECODE_MAX_TOKENS, lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import DECODE_MAX_TOKENS, lora_shrink
+from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, lora_shrink
 
-__all__ = ["DECODE_MAX_TOKENS", "lora_apply", "lora_apply_ref"]
+__all__ = ["EXPAND_DECODE_MAX_TOKENS", "SHRINK_DECODE_MAX_TOKENS", "lora_apply",
+           "lora_apply_ref"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -26,7 +30,7 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
-    """y: [T, N] += LoRA(x: [T, in]) for each token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R]."""
+    """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R]."""
     if not _use_triton(x):
         lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
         return

@@ -1,0 +1,312 @@
+"""Shared helpers of the engine benchmarks (decode.py, throughput.py, lora_decode.py).
+
+- memory bandwidth measured in the same run (device-to-device copy, read + write);
+- the decode byte floor of a step: weights + KV read + adapters, over that bandwidth;
+- `start_decode_batch`: B sequences put straight into the decode state at a given
+  context length without a real prefill. It reaches into engine internals (it sets
+  `Sequence.num_computed_tokens` of waiting sequences and writes random values
+  into `runner.attn_layers[i].k_cache/v_cache`), so it must follow changes there;
+- step timing, tables, pass/fail checks, JSON and PNG output.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import warnings
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from loraserve import LoRARequest, SamplingParams
+
+
+# -- arguments ---------------------------------------------------------------------------
+def int_list(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4]."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def str_list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_common_args(parser: argparse.ArgumentParser, default_model: str) -> None:
+    parser.add_argument("--model", default=default_model, help="synthetic:NAME, an HF folder or a .gguf file")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="folder for the JSON and PNG results")
+    parser.add_argument("--quick", action="store_true", help="a small sweep (smoke test)")
+
+
+def add_step_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per case (median of them)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps before them")
+
+
+def bench_device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def environment(device: torch.device) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(), "device": str(device),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def model_max_len(model: str) -> int | None:
+    """max_position_embeddings of a synthetic model (None for others: the engine checks)."""
+    if not model.startswith("synthetic:"):
+        return None
+    from loraserve.models.synthetic import SYNTHETIC_CONFIGS
+
+    config = SYNTHETIC_CONFIGS.get(model.split(":", 1)[1])
+    return config["max_position_embeddings"] if config else None
+
+
+def release_memory() -> None:
+    """Call after the last reference to an engine is gone: its GPU memory goes back."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        print(f"engine freed: {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated")
+
+
+# -- bandwidth and bytes -----------------------------------------------------------------
+def median_seconds(fn, device: torch.device, reps: int = 20, warmup: int = 3) -> float:
+    """Median seconds of fn(): CUDA events on CUDA, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
+    """Copy bandwidth in bytes/s (bytes read + written) of a random tensor (1 GiB on CUDA)."""
+    nbytes = nbytes or (2**30 if device.type == "cuda" else 2**28)
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device)
+    bandwidth = 2 * src.numel() * src.element_size() / seconds
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # engines size their KV cache from the free memory
+    return bandwidth
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters; a tied embedding counts once (LoRA slots are buffers)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes_per_token(engine) -> int:
+    """K + V bytes of one token over all layers."""
+    return sum(2 * math.prod(layer.k_cache.shape[2:]) * layer.k_cache.element_size()
+               for layer in engine.runner.attn_layers)
+
+
+def adapter_bytes(adapter, dtype: torch.dtype) -> int:
+    """Bytes of an adapter's A and B in `dtype` (adapters are held in fp32 on the CPU)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return sum(a.numel() + b.numel() for a, b in adapter.weights.values()) * elem
+
+
+def decode_floor(engine, batch: int, mean_context: float, extra_bytes: int, bandwidth: float) -> dict:
+    """Byte floor of one decode step: weights + KV read by `batch` sequences + `extra_bytes` (adapters)."""
+    weights = weight_bytes(engine.runner.model)
+    kv = int(batch * mean_context * kv_bytes_per_token(engine))
+    total = weights + kv + extra_bytes
+    return {"weight_bytes": weights, "kv_bytes": kv, "adapter_bytes": extra_bytes, "bytes": total,
+            "floor_s": total / bandwidth}
+
+
+def engine_info(engine, build_seconds: float) -> dict:
+    """Graph capture cost and cache size of an engine."""
+    graphs = engine.runner.graph_runner
+    return {"build_seconds": build_seconds, "num_kv_blocks": engine.runner.num_blocks,
+            "block_size": engine.block_manager.block_size, "max_model_len": engine.max_model_len,
+            "weight_bytes": weight_bytes(engine.runner.model), "kv_bytes_per_token": kv_bytes_per_token(engine),
+            "num_buckets": len(graphs.buckets) if graphs else 0, "num_graphs": len(graphs.graphs) if graphs else 0,
+            "max_bucket": graphs.buckets[-1] if graphs else 0,
+            "capture_seconds": graphs.capture_seconds if graphs else None,
+            "graph_memory_bytes": graphs.graph_memory_bytes if graphs else None}
+
+
+# -- decode state without prefill --------------------------------------------------------------
+def fill_kv_random(engine) -> None:
+    """Random values in every KV block (what a prefill would have written; never zeros)."""
+    with torch.no_grad():
+        for layer in engine.runner.attn_layers:
+            layer.k_cache.normal_()
+            layer.v_cache.normal_()
+
+
+def decode_fits(engine, batch: int, context: int, num_steps: int) -> str | None:
+    """None if `batch` sequences of `context` tokens can decode `num_steps` steps, else why not."""
+    total = context + num_steps
+    if total >= engine.max_model_len:
+        return f"context {context} + {num_steps} steps reaches max_model_len {engine.max_model_len}"
+    if batch > engine.scheduler_config.max_num_seqs:
+        return f"batch {batch} > max_num_seqs {engine.scheduler_config.max_num_seqs}"
+    need = batch * -(-total // engine.block_manager.block_size)
+    if need > engine.block_manager.num_free_blocks:
+        return f"needs {need} KV blocks, {engine.block_manager.num_free_blocks} free"
+    return None
+
+
+def start_decode_batch(engine, batch: int, context: int, max_tokens: int, adapters: list[str | None],
+                       seed: int = 0) -> list[str]:
+    """Add `batch` greedy requests whose first step is a decode at position context - 1.
+
+    Each prompt is `context` random ids. Before the first step, the waiting
+    sequences are marked as having computed context - 1 tokens, so the scheduler
+    admits each with one new token and allocates blocks for all `context` tokens;
+    the KV values they read are whatever `fill_kv_random` left there. Request i
+    uses adapter adapters[i % len(adapters)] (None = base). Returns the request ids.
+    """
+    rng = np.random.default_rng(seed)
+    vocab = engine.hf_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    ids = [f"decode-{batch}-{context}-{i}" for i in range(batch)]
+    wanted = set(ids)
+    for i, rid in enumerate(ids):
+        name = adapters[i % len(adapters)] if adapters else None
+        engine.add_request(rid, rng.integers(0, vocab, context).tolist(), params,
+                           LoRARequest(name) if name is not None else None)
+    for seq in engine.scheduler.waiting:
+        if seq.request_id in wanted:
+            seq.num_computed_tokens = context - 1
+    return ids
+
+
+def time_decode_steps(engine, batch: int, warmup: int, steps: int) -> list[float]:
+    """Seconds of each timed `engine.step()`; each must decode all `batch` sequences.
+
+    A step ends with a host sync (sampled tokens come back), so wall time is its latency.
+    """
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - t0
+        if len(outputs) != batch:
+            raise RuntimeError(f"a decode step returned {len(outputs)} outputs for a batch of {batch}")
+        if i >= warmup:
+            times.append(elapsed)
+    return times
+
+
+def abort_all(engine, request_ids: list[str]) -> None:
+    for rid in request_ids:
+        engine.abort_request(rid)
+
+
+def percentiles(values: list[float], points=(50, 90, 99)) -> dict:
+    if not values:
+        return {f"p{p}": None for p in points}
+    return {f"p{p}": float(np.percentile(values, p)) for p in points}
+
+
+# -- reporting -----------------------------------------------------------------------
+@dataclass
+class Check:
+    """One target: the measured value, the target in words and whether it is met (None: not measured)."""
+
+    name: str
+    value: str
+    target: str
+    passed: bool | None
+
+
+def print_checks(checks: list[Check]) -> None:
+    print("\nChecks against the targets:")
+    for c in checks:
+        status = "n/a " if c.passed is None else ("PASS" if c.passed else "FAIL")
+        print(f"  [{status}] {c.name}: {c.value} (target {c.target})")
+
+
+def print_table(headers: list[str], rows: list[list]) -> None:
+    def fmt(v):
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.0f}" if abs(v) >= 1000 else f"{v:.3g}"
+        return str(v)
+
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    print("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(out_dir: str | None, name: str, data: dict) -> None:
+    if out_dir is None:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, default=lambda o: asdict(o) if isinstance(o, Check) else str(o))
+    print(f"wrote {path}")
+
+
+def save_plot(out_dir: str | None, name: str, panels: list[dict]) -> None:
+    """One PNG with a panel per dict: title, xlabel, ylabel, series {label: (xs, ys, style)}, logx, logy."""
+    if out_dir is None:
+        return
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        warnings.warn("matplotlib is not installed: no PNG written", stacklevel=2)
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for label, (xs, ys, style) in panel["series"].items():
+            if xs:
+                ax.plot(xs, ys, style, label=label)
+        if panel.get("logx"):
+            ax.set_xscale("log", base=2)
+            ticks = sorted({x for xs, _, _ in panel["series"].values() for x in xs})
+            ax.set_xticks(ticks, [str(t) for t in ticks])
+        if panel.get("logy"):
+            ax.set_yscale("log")
+        ax.set(title=panel["title"], xlabel=panel["xlabel"], ylabel=panel["ylabel"])
+        ax.grid(True, alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")

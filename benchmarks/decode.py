@@ -1,0 +1,201 @@
+"""Decode benchmark: inter-token latency and tok/s of real engine steps, CUDA graphs vs eager.
+
+For each batch size and context length, B sequences are put straight into the
+decode state (random prompt ids, random KV values, no prefill; see
+bench_common.start_decode_batch) and each `engine.step()` is timed: scheduler,
+input preparation, graph replay or eager forward, sampling and the host sync.
+ITL is the median step time; the byte floor of a step is (weights + KV read) /
+copy bandwidth measured in the same run. One engine per mode, one at a time.
+Prints a table, the graph capture cost and checks against the targets; writes
+decode.json and decode.png to --out.
+
+    python benchmarks/decode.py [--model synthetic:llama-3-8b] [--quick] [--out DIR]
+    python benchmarks/decode.py --model synthetic:tiny --device cpu --quick --out /tmp/b
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+
+BATCH_SIZES, CONTEXTS = [1, 2, 4, 8, 16, 32, 64, 128, 256], [128, 1024, 4096]
+QUICK_BATCH_SIZES, QUICK_CONTEXTS = [1, 4, 16], [128, 512]
+MODES = ["graphs", "eager"]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bc.add_common_args(p, "synthetic:llama-3-8b")
+    bc.add_step_args(p)
+    p.add_argument("--batch-sizes", type=bc.int_list, default=None, help=f"default {BATCH_SIZES}")
+    p.add_argument("--contexts", type=bc.int_list, default=None, help=f"default {CONTEXTS}")
+    p.add_argument("--modes", type=bc.str_list, default=MODES, help="graphs,eager")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    args = p.parse_args(argv)
+    args.batch_sizes = args.batch_sizes or (QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
+    args.contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
+    unknown = set(args.modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    return args
+
+
+def run_mode(args, mode: str, device: torch.device, bandwidth: float) -> tuple[dict, list[dict]]:
+    """Build one engine, time every (context, batch) case on it; the engine is freed on return."""
+    from loraserve.engine.engine import LLMEngine
+
+    n_steps = args.warmup + args.steps
+    needed = max(args.contexts) + n_steps + 2
+    limit = bc.model_max_len(args.model)
+    t0 = time.perf_counter()
+    engine = LLMEngine(args.model, device=device, dtype=args.dtype, max_model_len=min(needed, limit or needed),
+                       max_num_seqs=max(args.batch_sizes), enforce_eager=mode == "eager", seed=args.seed,
+                       gpu_memory_utilization=args.gpu_memory_utilization)
+    info = bc.engine_info(engine, time.perf_counter() - t0)
+    bc.fill_kv_random(engine)
+    graphs = engine.runner.graph_runner
+    rows = []
+    cases = [(c, b) for c in args.contexts for b in args.batch_sizes]
+    for ctx, batch in tqdm(cases, desc=f"decode {mode}", unit="case", disable=None):
+        row = {"mode": mode, "batch": batch, "context": ctx}
+        rows.append(row)
+        why = bc.decode_fits(engine, batch, ctx, n_steps)
+        if why is not None:
+            row["skipped"] = why
+            continue
+        ids = bc.start_decode_batch(engine, batch, ctx, n_steps + 1, [], seed=args.seed + batch)
+        try:
+            times = bc.time_decode_steps(engine, batch, args.warmup, args.steps)
+        except torch.cuda.OutOfMemoryError:
+            row["skipped"] = "out of memory"
+            continue
+        finally:
+            bc.abort_all(engine, ids)
+        itl = statistics.median(times)
+        floor = bc.decode_floor(engine, batch, ctx + args.warmup + (args.steps - 1) / 2, 0, bandwidth)
+        row.update(itl_s=itl, itl_min_s=min(times), tok_s=batch / itl,
+                   used_graph=graphs is not None and graphs.can_run(batch), floor_ratio=itl / floor["floor_s"],
+                   gb_s=floor["bytes"] / itl / 1e9, **floor)
+    return info, rows
+
+
+def measured(rows, mode, batch, ctx) -> dict | None:
+    return next((r for r in rows if (r["mode"], r["batch"], r["context"]) == (mode, batch, ctx) and "itl_s" in r),
+                None)
+
+
+def ratio_check(name, num, den, target: float, what: str) -> bc.Check:
+    if num is None or den is None:
+        return bc.Check(name, "not measured", f">= {target}x", None)
+    value = num / den
+    return bc.Check(name, f"{value:.2f}x ({what})", f">= {target}x", value >= target)
+
+
+def make_checks(rows: list[dict], engines: dict, contexts: list[int]) -> list[bc.Check]:
+    ctx = min(contexts)
+    g1, g64, e1 = measured(rows, "graphs", 1, ctx), measured(rows, "graphs", 64, ctx), measured(rows, "eager", 1, ctx)
+    checks = []
+    if g1 is None:
+        checks.append(bc.Check(f"batch-1 ctx-{ctx} graph ITL / floor", "not measured", "<= 1.25", None))
+    else:
+        checks.append(bc.Check(f"batch-1 ctx-{ctx} graph ITL / floor",
+                               f"{g1['floor_ratio']:.3f} ({1e3 * g1['itl_s']:.2f} ms vs {1e3 * g1['floor_s']:.2f} ms)",
+                               "<= 1.25", g1["floor_ratio"] <= 1.25))
+    checks.append(ratio_check(f"graphs ctx-{ctx}: batch-64 tok/s / batch-1 tok/s", g64 and g64["tok_s"],
+                              g1 and g1["tok_s"], 25, "tok/s ratio"))
+    checks.append(ratio_check(f"batch-1 ctx-{ctx}: eager ITL / graph ITL", e1 and e1["itl_s"], g1 and g1["itl_s"], 3,
+                              "graph speedup"))
+    info = engines.get("graphs")
+    if info is None or not info["num_graphs"]:
+        checks.append(bc.Check("graph capture", "no graphs captured", "<= 30 s, <= 2 GiB", None))
+    else:
+        label = f"capture of {info['num_graphs']} graphs up to batch {info['max_bucket']}"
+        checks.append(bc.Check(f"{label}: time", f"{info['capture_seconds']:.1f} s", "<= 30 s",
+                               info["capture_seconds"] <= 30))
+        mem = info["graph_memory_bytes"] / 2**30
+        checks.append(bc.Check(f"{label}: memory", f"{mem:.2f} GiB", "<= 2 GiB", mem <= 2))
+    return checks
+
+
+def print_results(rows: list[dict], engines: dict, args) -> None:
+    headers = ["ctx", "B", "graph ITL ms", "graph tok/s", "eager ITL ms", "eager tok/s", "floor ms",
+               "graph/floor", "eager/floor", "speedup", "graph GB/s", "eager GB/s"]
+    table = []
+    for ctx in args.contexts:
+        for batch in args.batch_sizes:
+            g, e = measured(rows, "graphs", batch, ctx), measured(rows, "eager", batch, ctx)
+            if g is None and e is None:
+                continue
+            floor = (g or e)["floor_s"]
+            table.append([ctx, batch if g is None or g["used_graph"] else f"{batch}*",
+                          g and 1e3 * g["itl_s"], g and g["tok_s"], e and 1e3 * e["itl_s"], e and e["tok_s"],
+                          1e3 * floor, g and g["floor_ratio"], e and e["floor_ratio"],
+                          g and e and e["itl_s"] / g["itl_s"], g and g["gb_s"], e and e["gb_s"]])
+    print(f"\nDecode, {args.model}, {args.steps} timed steps after {args.warmup} warm-up "
+          "(* = no graph bucket, ran eagerly):")
+    bc.print_table(headers, table)
+    for r in rows:
+        if "skipped" in r:
+            print(f"  skipped {r['mode']} B={r['batch']} ctx={r['context']}: {r['skipped']}")
+    for mode, info in engines.items():
+        extra = ""
+        if info["num_graphs"]:
+            extra = (f", {info['num_graphs']}/{info['num_buckets']} graphs up to batch {info['max_bucket']} "
+                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB")
+        print(f"engine {mode}: built in {info['build_seconds']:.1f} s, {info['num_kv_blocks']} KV blocks{extra}")
+
+
+def plot(rows: list[dict], args) -> None:
+    itl, tps = {}, {}
+    for mode in args.modes:
+        for ctx in args.contexts:
+            got = [r for r in rows if r["mode"] == mode and r["context"] == ctx and "itl_s" in r]
+            style = "o-" if mode == "graphs" else "s--"
+            itl[f"{mode} ctx {ctx}"] = ([r["batch"] for r in got], [1e3 * r["itl_s"] for r in got], style)
+            tps[f"{mode} ctx {ctx}"] = ([r["batch"] for r in got], [r["tok_s"] for r in got], style)
+    for ctx in args.contexts:
+        floors = {r["batch"]: 1e3 * r["floor_s"] for r in rows if r["context"] == ctx and "floor_s" in r}
+        itl[f"floor ctx {ctx}"] = (sorted(floors), [floors[b] for b in sorted(floors)], ":")
+    bc.save_plot(args.out, "decode.png", [
+        dict(title=f"Decode ITL, {args.model}", xlabel="batch size", ylabel="ms per step", series=itl, logx=True,
+             logy=True),
+        dict(title="Decode throughput", xlabel="batch size", ylabel="output tokens/s", series=tps, logx=True,
+             logy=True)])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = bc.bench_device(args.device)
+    if device.type != "cuda" and "graphs" in args.modes:
+        print("note: CUDA graphs need a CUDA device; running the eager mode only")
+        args.modes = [m for m in args.modes if m != "graphs"] or ["eager"]
+    bandwidth = bc.measure_bandwidth(device)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {device}")
+    engines, rows, checks = {}, [], []
+    report = {"benchmark": "decode", "args": vars(args), "env": bc.environment(device),
+              "bandwidth_bytes_per_s": bandwidth, "engines": engines, "results": rows, "checks": checks}
+    for mode in args.modes:
+        engines[mode], mode_rows = run_mode(args, mode, device, bandwidth)
+        rows += mode_rows
+        bc.release_memory()
+        bc.write_json(args.out, "decode.json", report)  # partial results survive a later failure
+    print_results(rows, engines, args)
+    checks += make_checks(rows, engines, args.contexts)
+    bc.print_checks(checks)
+    bc.write_json(args.out, "decode.json", report)
+    plot(rows, args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""Multi-LoRA decode benchmark: what LoRA inside the CUDA graphs costs against the bare base model.
+
+Per model, three engines one at a time: "graphs" (no LoRA: the base),
+"graphs+lora" and "eager+lora" (max_loras 8, max_lora_rank 64). On the LoRA
+engines each batch runs with an adapter set: 0 (base requests on the LoRA
+engine: the cost of LoRA kernels over empty slots), 1, 4 or 8 distinct random
+adapters of rank 16 on all 7 projections, or "mixed" (ranks 8, 16, 32, 64);
+requests take the set's adapters round-robin. Sequences start straight in the
+decode state (bench_common.start_decode_batch); ITL is the median
+`engine.step()` time. Reports tok/s against base graphs, ITL against the byte
+floor (weights + KV + the distinct adapters of the batch, in the model dtype),
+graph capture time/memory with and without LoRA, and checks against the
+targets. Writes lora_decode.json and lora_decode_<model>.png to --out.
+
+    python benchmarks/lora_decode.py [--models synthetic:llama-3-8b,synthetic:llama-3.2-1b] [--out DIR]
+    python benchmarks/lora_decode.py --models synthetic:tiny --device cpu --quick --out /tmp/b
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+
+MODELS = ["synthetic:llama-3-8b", "synthetic:llama-3.2-1b"]
+MODES = ["graphs", "graphs+lora", "eager+lora"]
+BATCH_SIZES, QUICK_BATCH_SIZES = [1, 16, 32, 64], [1, 4]
+ADAPTER_SETS = ["0", "1", "4", "8", "mixed"]
+RANK, MIXED_RANKS = 16, (8, 16, 32, 64)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bc.add_common_args(p, MODELS[0])
+    bc.add_step_args(p)
+    p.add_argument("--models", type=bc.str_list, default=None, help=f"default {','.join(MODELS)}")
+    p.add_argument("--modes", type=bc.str_list, default=MODES, help=",".join(MODES))
+    p.add_argument("--batch-sizes", type=bc.int_list, default=None, help=f"default {BATCH_SIZES}")
+    p.add_argument("--adapter-sets", type=bc.str_list, default=ADAPTER_SETS, help=",".join(ADAPTER_SETS))
+    p.add_argument("--context", type=int, default=512, help="context length of every sequence")
+    p.add_argument("--max-loras", type=int, default=8)
+    p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="largest graph bucket (default: the largest batch size)")
+    args = p.parse_args(argv)
+    args.models = args.models or MODELS
+    args.batch_sizes = args.batch_sizes or (QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
+    args.max_num_seqs = args.max_num_seqs or max(args.batch_sizes)
+    for name, given, known in (("modes", args.modes, MODES), ("adapter sets", args.adapter_sets, ADAPTER_SETS)):
+        if set(given) - set(known):
+            p.error(f"unknown {name} {sorted(set(given) - set(known))}; choose from {known}")
+    if any(len(set_adapters(s)) > args.max_loras for s in args.adapter_sets):
+        p.error("an adapter set has more adapters than --max-loras")
+    if max(MIXED_RANKS) > args.max_lora_rank and "mixed" in args.adapter_sets:
+        p.error(f"the mixed set needs --max-lora-rank >= {max(MIXED_RANKS)}")
+    return args
+
+
+def set_adapters(key: str) -> list[tuple[str, int]]:
+    """(adapter name, rank) of an adapter set."""
+    if key == "mixed":
+        return [(f"mixed-r{r}", r) for r in MIXED_RANKS]
+    return [(f"r{RANK}-{i}", RANK) for i in range(int(key))]
+
+
+def register_adapters(engine, keys: list[str], adapters: dict, seed: int) -> None:
+    """Register every adapter of the sets, made once per model and kept in `adapters` (fp32, CPU)."""
+    from loraserve.lora.synthetic import random_adapter
+
+    wanted = {name: (rank, i) for key in keys for i, (name, rank) in enumerate(set_adapters(key))}
+    for name, (rank, i) in wanted.items():
+        if name not in adapters:
+            adapters[name] = random_adapter(engine.lora_manager.spec, name, rank, seed=seed + 1000 * rank + i)
+        engine.lora_manager.register_adapter(name, adapters[name])
+
+
+def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: dict) -> tuple[dict, list[dict]]:
+    """One engine; every (adapter set, batch) case on it. The engine is freed on return."""
+    from loraserve.engine.engine import LLMEngine
+
+    n_steps = args.warmup + args.steps
+    lora = mode.endswith("+lora")
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, device=device, dtype=args.dtype, max_model_len=args.context + n_steps + 2,
+                       max_num_seqs=args.max_num_seqs, enforce_eager=mode.startswith("eager"), seed=args.seed,
+                       enable_lora=lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                       max_cpu_loras=16)
+    info = bc.engine_info(engine, time.perf_counter() - t0)
+    bc.fill_kv_random(engine)
+    sets = args.adapter_sets if lora else ["base"]
+    if lora:
+        register_adapters(engine, sets, adapters, args.seed)
+    graphs = engine.runner.graph_runner
+    rows = []
+    cases = [(s, b) for s in sets for b in args.batch_sizes]
+    for key, batch in tqdm(cases, desc=f"{model} {mode}", unit="case", disable=None):
+        row = {"model": model, "mode": mode, "adapters": key, "batch": batch, "context": args.context}
+        rows.append(row)
+        why = bc.decode_fits(engine, batch, args.context, n_steps)
+        if why is not None:
+            row["skipped"] = why
+            continue
+        names = [name for name, _ in set_adapters(key)] if lora else []
+        ids = bc.start_decode_batch(engine, batch, args.context, n_steps + 1, names, seed=args.seed + batch)
+        try:
+            times = bc.time_decode_steps(engine, batch, args.warmup, args.steps)
+        except torch.cuda.OutOfMemoryError:
+            row["skipped"] = "out of memory"
+            continue
+        finally:
+            bc.abort_all(engine, ids)
+        itl = statistics.median(times)
+        extra = sum(bc.adapter_bytes(adapters[n], engine.dtype) for n in names[:batch])
+        floor = bc.decode_floor(engine, batch, args.context + args.warmup + (args.steps - 1) / 2, extra, bandwidth)
+        row.update(itl_s=itl, itl_min_s=min(times), tok_s=batch / itl, distinct_adapters=len(names[:batch]),
+                   used_graph=graphs is not None and graphs.can_run(batch), floor_ratio=itl / floor["floor_s"],
+                   gb_s=floor["bytes"] / itl / 1e9, **floor)
+    return info, rows
+
+
+def find(rows, mode, key, batch) -> dict | None:
+    return next((r for r in rows if (r["mode"], r["adapters"], r["batch"]) == (mode, key, batch) and "itl_s" in r),
+                None)
+
+
+def add_base_ratios(rows: list[dict]) -> None:
+    for r in rows:
+        base = find(rows, "graphs", "base", r["batch"])
+        if "itl_s" in r and base is not None:
+            r["vs_base_tok_s"] = r["tok_s"] / base["tok_s"]
+
+
+def make_checks(model: str, rows: list[dict], engines: dict) -> list[bc.Check]:
+    def check(name, num, den, target, le=False):
+        if num is None or den is None:
+            return bc.Check(f"{model}: {name}", "not measured", f"{'<=' if le else '>='} {target}", None)
+        value = num / den
+        return bc.Check(f"{model}: {name}", f"{value:.3f}", f"{'<=' if le else '>='} {target}",
+                        value <= target if le else value >= target)
+
+    base32, base1 = find(rows, "graphs", "base", 32), find(rows, "graphs", "base", 1)
+    lora8, lora1, eager1 = find(rows, "graphs+lora", "8", 32), find(rows, "graphs+lora", "1", 1), \
+        find(rows, "eager+lora", "1", 1)
+    checks = [check("graphs+LoRA 8 adapters B=32 tok/s / base tok/s", lora8 and lora8["tok_s"],
+                    base32 and base32["tok_s"], 0.9),
+              check("graphs+LoRA 1 adapter B=1 ITL / base ITL", lora1 and lora1["itl_s"], base1 and base1["itl_s"],
+                    1.08, le=True),
+              check("B=1 1 adapter: eager+LoRA ITL / graphs+LoRA ITL", eager1 and eager1["itl_s"],
+                    lora1 and lora1["itl_s"], 4)]
+    base, with_lora = engines.get("graphs"), engines.get("graphs+lora")
+    if not (base and with_lora and base["num_graphs"] and with_lora["num_graphs"]):
+        return checks + [bc.Check(f"{model}: graph capture with LoRA", "not measured",
+                                  "same graph count, <= 1.3x time and memory", None)]
+    checks.append(bc.Check(f"{model}: graphs captured with / without LoRA",
+                           f"{with_lora['num_graphs']} / {base['num_graphs']}", "equal",
+                           with_lora["num_graphs"] == base["num_graphs"]))
+    checks.append(check("capture time with / without LoRA", with_lora["capture_seconds"], base["capture_seconds"],
+                        1.3, le=True))
+    checks.append(check("graph memory with / without LoRA", with_lora["graph_memory_bytes"],
+                        max(base["graph_memory_bytes"], 1), 1.3, le=True))
+    return checks
+
+
+def print_results(model: str, rows: list[dict], engines: dict, args) -> None:
+    headers = ["mode", "adapters", "B", "ITL ms", "tok/s", "vs base", "floor ms", "ITL/floor", "GB/s"]
+    table = [[r["mode"], r["adapters"], r["batch"] if r["used_graph"] or "graphs" not in r["mode"] else
+              f"{r['batch']}*", 1e3 * r["itl_s"], r["tok_s"], r.get("vs_base_tok_s"), 1e3 * r["floor_s"],
+              r["floor_ratio"], r["gb_s"]] for r in rows if "itl_s" in r]
+    print(f"\n{model}, context {args.context}, {args.steps} timed steps after {args.warmup} warm-up "
+          "(vs base = tok/s over base graphs tok/s; * = no graph bucket, ran eagerly):")
+    bc.print_table(headers, table)
+    for r in rows:
+        if "skipped" in r:
+            print(f"  skipped {r['mode']} adapters={r['adapters']} B={r['batch']}: {r['skipped']}")
+    for mode, info in engines.items():
+        extra = ""
+        if info["num_graphs"]:
+            extra = (f", {info['num_graphs']}/{info['num_buckets']} graphs up to batch {info['max_bucket']} "
+                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB")
+        print(f"engine {mode}: built in {info['build_seconds']:.1f} s{extra}")
+
+
+def plot(model: str, rows: list[dict], args) -> None:
+    tps, ratio = {}, {}
+    for mode in args.modes:
+        for key in (["base"] if mode == "graphs" else args.adapter_sets):
+            got = [r for r in rows if r["mode"] == mode and r["adapters"] == key and "itl_s" in r]
+            label, style = f"{mode} {key}", "k-" if mode == "graphs" else ("o-" if mode == "graphs+lora" else "s--")
+            tps[label] = ([r["batch"] for r in got], [r["tok_s"] for r in got], style)
+            got = [r for r in got if "vs_base_tok_s" in r]
+            ratio[label] = ([r["batch"] for r in got], [r["vs_base_tok_s"] for r in got], style)
+    stem = model.split(":")[-1].replace("/", "_")
+    bc.save_plot(args.out, f"lora_decode_{stem}.png", [
+        dict(title=f"Multi-LoRA decode, {model}, ctx {args.context}", xlabel="batch size", ylabel="output tokens/s",
+             series=tps, logx=True, logy=True),
+        dict(title="tok/s relative to base graphs", xlabel="batch size", ylabel="ratio", series=ratio, logx=True)])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = bc.bench_device(args.device)
+    if device.type != "cuda":
+        print("note: CUDA graphs need a CUDA device; running the eager+lora mode only")
+        args.modes = [m for m in args.modes if not m.startswith("graphs")] or ["eager+lora"]
+    bandwidth = bc.measure_bandwidth(device)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {device}")
+    results, engines_by_model, checks = [], {}, []
+    report = {"benchmark": "lora_decode", "args": vars(args), "env": bc.environment(device),
+              "bandwidth_bytes_per_s": bandwidth, "engines": engines_by_model, "results": results, "checks": checks}
+    for model in args.models:
+        engines, rows, adapters = {}, [], {}
+        engines_by_model[model] = engines
+        for mode in args.modes:
+            engines[mode], mode_rows = run_mode(args, model, mode, device, bandwidth, adapters)
+            rows += mode_rows
+            bc.release_memory()
+            bc.write_json(args.out, "lora_decode.json", dict(report, results=results + rows))  # partial
+        add_base_ratios(rows)
+        print_results(model, rows, engines, args)
+        plot(model, rows, args)
+        checks += make_checks(model, rows, engines)
+        results += rows
+    bc.print_checks(checks)
+    bc.write_json(args.out, "lora_decode.json", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
