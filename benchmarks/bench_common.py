@@ -43,8 +43,10 @@ def str_list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def add_common_args(parser: argparse.ArgumentParser, default_model: str) -> None:
-    parser.add_argument("--model", default=default_model, help="synthetic:NAME, an HF folder or a .gguf file")
+def add_common_args(parser: argparse.ArgumentParser, default_model: str | None) -> None:
+    """--device, --dtype, --seed, --out, --quick; and --model unless default_model is None."""
+    if default_model is not None:
+        parser.add_argument("--model", default=default_model, help="synthetic:NAME, an HF folder or a .gguf file")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument("--seed", type=int, default=0)
@@ -115,7 +117,7 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     dst = torch.empty_like(src)
     seconds = median_seconds(lambda: dst.copy_(src), device)
     bandwidth = 2 * src.numel() * src.element_size() / seconds
-    del src, dst
+    src = dst = None  # freed before empty_cache
     if device.type == "cuda":
         torch.cuda.empty_cache()  # engines size their KV cache from the free memory
     return bandwidth

@@ -28,9 +28,9 @@ from tqdm import tqdm  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 
-BATCH_SIZES, CONTEXTS = [1, 2, 4, 8, 16, 32, 64, 128, 256], [128, 1024, 4096]
-QUICK_BATCH_SIZES, QUICK_CONTEXTS = [1, 4, 16], [128, 512]
-MODES = ["graphs", "eager"]
+BATCH_SIZES, CONTEXTS = (1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 1024, 4096)
+QUICK_BATCH_SIZES, QUICK_CONTEXTS = (1, 4, 16), (128, 512)
+MODES = ("graphs", "eager")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,11 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     bc.add_step_args(p)
     p.add_argument("--batch-sizes", type=bc.int_list, default=None, help=f"default {BATCH_SIZES}")
     p.add_argument("--contexts", type=bc.int_list, default=None, help=f"default {CONTEXTS}")
-    p.add_argument("--modes", type=bc.str_list, default=MODES, help="graphs,eager")
+    p.add_argument("--modes", type=bc.str_list, default=list(MODES), help="graphs,eager")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = p.parse_args(argv)
-    args.batch_sizes = args.batch_sizes or (QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
-    args.contexts = args.contexts or (QUICK_CONTEXTS if args.quick else CONTEXTS)
+    args.batch_sizes = args.batch_sizes or list(QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
+    args.contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else CONTEXTS)
     unknown = set(args.modes) - set(MODES)
     if unknown:
         p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")

@@ -31,29 +31,29 @@ from tqdm import tqdm  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 
-MODELS = ["synthetic:llama-3-8b", "synthetic:llama-3.2-1b"]
-MODES = ["graphs", "graphs+lora", "eager+lora"]
-BATCH_SIZES, QUICK_BATCH_SIZES = [1, 16, 32, 64], [1, 4]
-ADAPTER_SETS = ["0", "1", "4", "8", "mixed"]
+MODELS = ("synthetic:llama-3-8b", "synthetic:llama-3.2-1b")
+MODES = ("graphs", "graphs+lora", "eager+lora")
+BATCH_SIZES, QUICK_BATCH_SIZES = (1, 16, 32, 64), (1, 4)
+ADAPTER_SETS = ("0", "1", "4", "8", "mixed")
 RANK, MIXED_RANKS = 16, (8, 16, 32, 64)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bc.add_common_args(p, MODELS[0])
+    bc.add_common_args(p, None)
     bc.add_step_args(p)
     p.add_argument("--models", type=bc.str_list, default=None, help=f"default {','.join(MODELS)}")
-    p.add_argument("--modes", type=bc.str_list, default=MODES, help=",".join(MODES))
+    p.add_argument("--modes", type=bc.str_list, default=list(MODES), help=",".join(MODES))
     p.add_argument("--batch-sizes", type=bc.int_list, default=None, help=f"default {BATCH_SIZES}")
-    p.add_argument("--adapter-sets", type=bc.str_list, default=ADAPTER_SETS, help=",".join(ADAPTER_SETS))
+    p.add_argument("--adapter-sets", type=bc.str_list, default=list(ADAPTER_SETS), help=",".join(ADAPTER_SETS))
     p.add_argument("--context", type=int, default=512, help="context length of every sequence")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="largest graph bucket (default: the largest batch size)")
     args = p.parse_args(argv)
-    args.models = args.models or MODELS
-    args.batch_sizes = args.batch_sizes or (QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
+    args.models = args.models or list(MODELS)
+    args.batch_sizes = args.batch_sizes or list(QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
     args.max_num_seqs = args.max_num_seqs or max(args.batch_sizes)
     for name, given, known in (("modes", args.modes, MODES), ("adapter sets", args.adapter_sets, ADAPTER_SETS)):
         if set(given) - set(known):
@@ -76,10 +76,10 @@ def register_adapters(engine, keys: list[str], adapters: dict, seed: int) -> Non
     """Register every adapter of the sets, made once per model and kept in `adapters` (fp32, CPU)."""
     from loraserve.lora.synthetic import random_adapter
 
-    wanted = {name: (rank, i) for key in keys for i, (name, rank) in enumerate(set_adapters(key))}
-    for name, (rank, i) in wanted.items():
+    wanted = dict(pair for key in keys for pair in set_adapters(key))  # name -> rank
+    for i, (name, rank) in enumerate(sorted(wanted.items())):
         if name not in adapters:
-            adapters[name] = random_adapter(engine.lora_manager.spec, name, rank, seed=seed + 1000 * rank + i)
+            adapters[name] = random_adapter(engine.lora_manager.spec, name, rank, seed=seed + 1 + i)
         engine.lora_manager.register_adapter(name, adapters[name])
 
 

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -103,12 +103,25 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class _EventStreamResponse(StreamingResponse):
+    """Server-sent events; `on_close` runs however the response ends (done, failed, client gone, not started)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 class _OpenAIServer:
     """The route handlers of one app, around one AsyncLLMEngine."""
 
     def __init__(self, engine: AsyncLLMEngine, settings: ServerSettings):
         self.engine = engine
-        self.settings = settings
         self.model_names = settings.served_model_names or (engine.model_name,)
         self.adapter_paths = dict(settings.lora_modules)
         self.metrics = ServerMetrics()
@@ -157,8 +170,14 @@ class _OpenAIServer:
         index = {spec.request_id: i for i, spec in enumerate(specs)}
         timer = TokenTimer(self.metrics, arrival)
         if body.stream:
-            events = self._stream_events(stream, builder, index, timer, body.include_usage, label)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            outcome = ["aborted"]  # kept if the client goes away: the response task is then cancelled
+
+            def on_close() -> None:
+                stream.abort()
+                self.metrics.record_request(label, outcome[0])
+
+            events = self._stream_events(stream, builder, index, timer, body.include_usage, outcome)
+            return _EventStreamResponse(events, on_close)
         return await self._complete(request, stream, builder, index, timer, label)
 
     async def _complete(self, request: Request, stream: OutputStream, builder: ResponseBuilder,
@@ -186,31 +205,28 @@ class _OpenAIServer:
         self.metrics.record_request(label, "success")
         return JSONResponse(builder.response())
 
-    async def _stream_events(self, stream: OutputStream, builder: ResponseBuilder, index: dict[str, int],
-                             timer: TokenTimer, include_usage: bool, label: str) -> AsyncIterator[str]:
-        outcome = "aborted"  # kept if the client goes away: the response task is cancelled
+    @staticmethod
+    async def _stream_events(stream: OutputStream, builder: ResponseBuilder, index: dict[str, int],
+                             timer: TokenTimer, include_usage: bool, outcome: list[str]) -> AsyncIterator[str]:
+        """The SSE lines of a streamed answer; sets outcome[0] when it ends by itself."""
         try:
-            try:
-                for chunk in builder.role_chunks():
+            for chunk in builder.role_chunks():
+                yield _sse(chunk)
+            async for out in stream:
+                timer.observe(out)
+                i = index[out.request_id]
+                builder.accept(i, out.prompt_token_ids, out.outputs[0], out.error)
+                chunk = builder.delta_chunk(i)
+                if chunk is not None:
                     yield _sse(chunk)
-                async for out in stream:
-                    timer.observe(out)
-                    i = index[out.request_id]
-                    builder.accept(i, out.prompt_token_ids, out.outputs[0], out.error)
-                    chunk = builder.delta_chunk(i)
-                    if chunk is not None:
-                        yield _sse(chunk)
-                if include_usage:
-                    yield _sse(builder.usage_chunk())
-                outcome = "success"
-            except Exception as exc:  # the engine failed mid-stream: tell the client in the stream
-                err = api_error_from(exc)
-                outcome = _outcome(err.status)
-                yield _sse(err.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            stream.abort()
-            self.metrics.record_request(label, outcome)
+            if include_usage:
+                yield _sse(builder.usage_chunk())
+            outcome[0] = "success"
+        except Exception as exc:  # the engine failed mid-stream: tell the client in the stream
+            err = api_error_from(exc)
+            outcome[0] = _outcome(err.status)
+            yield _sse(err.body())
+        yield "data: [DONE]\n\n"
 
     # ---- models and adapters ----------------------------------------------------------
 
