@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import os
 import time
@@ -19,16 +18,13 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraserve.engine.async_engine import (AsyncLLMEngine, EngineClosedError, EngineStepError, GenerationRequest,
-                                           OutputStream, QueueFullError)
+from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, GenerationRequest, OutputStream
+from loraserve.entrypoints.http_errors import APIKeyMiddleware, api_error_from, install_error_handlers, outcome_of
 from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, UNKNOWN_MODEL_LABEL, ServerMetrics, TokenTimer
 from loraserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                    LoadLoRAAdapterRequest, ResponseBuilder, UnloadLoRAAdapterRequest)
-from loraserve.errors import LoRAConflictError, PromptTooLongError, UnknownLoRAError
 from loraserve.lora.request import LoRARequest
 
 
@@ -47,30 +43,6 @@ class ServerSettings:
             raise ValueError("runtime LoRA updates need at least one lora root (--lora-root)")
 
 
-def api_error_from(exc: BaseException) -> APIError:
-    """The HTTP error for an exception from the engine or from checking a request."""
-    if isinstance(exc, APIError):
-        return exc
-    message = str(exc) or type(exc).__name__
-    if isinstance(exc, UnknownLoRAError):
-        return APIError(404, message, code="model_not_found")
-    if isinstance(exc, LoRAConflictError):
-        return APIError(409, message, code="conflict")
-    if isinstance(exc, PromptTooLongError):
-        return APIError(400, message, code="context_length_exceeded")
-    if isinstance(exc, QueueFullError):
-        return APIError(503, message, code="queue_full")
-    if isinstance(exc, EngineClosedError):
-        return APIError(503, message, code="unavailable")
-    if isinstance(exc, ValueError):
-        return APIError(400, message)
-    return APIError(500, message)
-
-
-def _outcome(status: int) -> str:
-    return "overloaded" if status == 503 else "error" if status >= 500 else "rejected"
-
-
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
 
@@ -82,25 +54,6 @@ def _inside(path: str, root: str) -> bool:
 async def _wait_for_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-class APIKeyMiddleware:
-    """Plain ASGI middleware: every /v1 path needs `Authorization: Bearer <key>`; others stay open."""
-
-    def __init__(self, app, api_key: str):
-        self.app = app
-        self._expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
-            given = dict(scope["headers"]).get(b"authorization")
-            if given is None or not hmac.compare_digest(given, self._expected):
-                what = "missing API key" if given is None else "incorrect API key"
-                err = APIError(401, f"{what}: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -161,7 +114,7 @@ class _OpenAIServer:
             err = api_error_from(exc)
             known = lora is None or body.model in self.adapter_paths  # no label per unknown name
             self.metrics.record_request(label if known and err.status != 404 else UNKNOWN_MODEL_LABEL,
-                                        _outcome(err.status))
+                                        outcome_of(err.status))
             raise err from exc
         builder = ResponseBuilder(
             chat=chat, response_id=response_id, model=body.model, created=int(time.time()), num_choices=len(specs),
@@ -200,7 +153,7 @@ class _OpenAIServer:
             return Response(status_code=499)
         if consumer.exception() is not None:
             err = api_error_from(consumer.exception())
-            self.metrics.record_request(label, _outcome(err.status))
+            self.metrics.record_request(label, outcome_of(err.status))
             raise err
         self.metrics.record_request(label, "success")
         return JSONResponse(builder.response())
@@ -224,7 +177,7 @@ class _OpenAIServer:
             outcome[0] = "success"
         except Exception as exc:  # the engine failed mid-stream: tell the client in the stream
             err = api_error_from(exc)
-            outcome[0] = _outcome(err.status)
+            outcome[0] = outcome_of(err.status)
             yield _sse(err.body())
         yield "data: [DONE]\n\n"
 
@@ -304,38 +257,13 @@ class _OpenAIServer:
         return Response(body, headers={"Content-Type": content_type})
 
 
-async def _api_error_response(request: Request, exc: Exception) -> JSONResponse:
-    err = api_error_from(exc)
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-async def _validation_error_response(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 for a body that is not JSON or has a wrong type; 400 for a missing or bad value."""
-    errors = exc.errors()
-    wrong_type = any(e["type"] == "json_invalid" or e["type"].endswith(("_type", "_parsing"))
-                     or tuple(e["loc"]) == ("body",) for e in errors)
-    first = errors[0]
-    param = ".".join(str(x) for x in first["loc"][1:]) or None
-    message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
-    err = APIError(422 if wrong_type else 400, message, param=param)
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-async def _http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-
 def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     """The app for an engine (the caller starts and shuts down the engine)."""
     server = _OpenAIServer(engine, settings)
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    for exc_class in (APIError, ValueError, QueueFullError, EngineClosedError, EngineStepError):
-        app.add_exception_handler(exc_class, _api_error_response)
-    app.add_exception_handler(RequestValidationError, _validation_error_response)
-    app.add_exception_handler(StarletteHTTPException, _http_error_response)
+    install_error_handlers(app)
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics_text)
     app.get("/v1/models")(server.list_models)

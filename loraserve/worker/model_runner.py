@@ -115,7 +115,7 @@ class ModelRunner:
         max_blocks = 1
         for item in scheduled:
             seq, n, start = item.seq, item.num_new_tokens, item.seq.num_computed_tokens
-            ids.extend(seq.all_token_ids[start:start + n])
+            ids.extend(seq.token_range(start, start + n))
             p = np.arange(start, start + n)
             pos.append(p)
             table = np.asarray(seq.block_table, dtype=np.int64)
