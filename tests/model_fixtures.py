@@ -137,11 +137,12 @@ def make_tiny_model(tmp_dir, arch: str, *, tokenizer=None, shards: bool = False,
     return folder
 
 
-def make_lora_adapters(model_dir: str, out_dir, specs: list[dict], *, seed: int = 0) -> list[str]:
+def make_lora_adapters(model_dir: str, out_dir, specs: list[dict], *, seed: int = 0,
+                       std: float = LORA_STD) -> list[str]:
     """Save one seeded PEFT LoRA adapter of the model in `model_dir` per spec; return their folders.
 
     A spec holds LoraConfig keywords (r, lora_alpha, target_modules, use_rslora, rank_pattern, ...) and an
-    optional "name" (the sub-folder of `out_dir`, default "adapter<i>"). A and B are drawn N(0, LORA_STD),
+    optional "name" (the sub-folder of `out_dir`, default "adapter<i>"). A and B are drawn N(0, std),
     so every adapter visibly changes the model's output.
     """
     from peft import LoraConfig, get_peft_model
@@ -160,7 +161,7 @@ def make_lora_adapters(model_dir: str, out_dir, specs: list[dict], *, seed: int 
         with torch.no_grad():
             for pname, param in sorted(peft_model.named_parameters()):
                 if ".lora_" in pname:
-                    param.copy_(torch.randn(param.shape, generator=gen) * LORA_STD)
+                    param.copy_(torch.randn(param.shape, generator=gen) * std)
         path = os.path.join(str(out_dir), name)
         peft_model.save_pretrained(path)
         paths.append(path)

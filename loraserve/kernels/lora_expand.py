@@ -116,8 +116,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
 
     slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.
-    Rows of tokens without a slot are untouched. `config` overrides the static
-    kernel shape (tests, tuning).
+    Rows of tokens without a slot are untouched. meta must have been built
+    from at most T token slots. `config` overrides the static kernel shape
+    (tests, tuning).
     """
     num_tokens, n_out = y.shape
     num_loras, b_rows, rank_max = lora_b.shape

@@ -118,8 +118,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
 
     Defined on return: out[t, s*R + r] for every token t with a slot and
     r < slot_rank[slot] (what lora_expand reads). Other elements are
-    unspecified (zero or untouched). `config` overrides the static kernel
-    shape (tests, tuning).
+    unspecified (zero or untouched). meta must have been built from at most T
+    token slots (the grid is sized for T). `config` overrides the static
+    kernel shape (tests, tuning).
     """
     num_tokens, hidden = x.shape
     num_loras, sr, a_hidden = lora_a.shape

@@ -1,7 +1,8 @@
 """Start-up integrity check of the decode graphs (DESIGN.md section 3.5).
 
 Each bucket replays a probe batch that mixes base rows with probe adapters of
-different ranks and is compared to the eager forward on the same inputs. A
+different ranks and is compared to the eager forward on the same padded inputs
+(same shapes, so the same kernels: only capture itself can make them differ). A
 bucket that disagrees is dropped (served eagerly) with an error in the log:
 wrong output is never an option.
 """
@@ -35,7 +36,7 @@ def verify_graphs(graph_runner, model, num_blocks: int, lora_layers: list | None
             probe = _probe_batch(rng, n, blocks_per_row, graph_runner.block_size, probe_slots,
                                  model.config.vocab_size, graph_runner.max_blocks)
             graph_out = graph_runner.run(*probe).clone()
-            eager_out = _eager(model, graph_runner, *probe)
+            eager_out = _eager(model, graph_runner, bucket, *probe)
             err = float((graph_out.float() - eager_out.float()).abs().max())
             scale = float(eager_out.float().abs().max()) or 1.0
             ok = err <= RELATIVE_TOLERANCE * scale and bool(torch.isfinite(graph_out).all())
@@ -88,12 +89,25 @@ def _probe_batch(rng, n: int, blocks_per_row: int, block_size: int, probe_slots:
     return input_ids, positions, slot_mapping, seq_lens, tables, lora
 
 
-def _eager(model, graph_runner, input_ids, positions, slot_mapping, seq_lens, tables, lora) -> torch.Tensor:
+def _eager(model, graph_runner, bucket: int, input_ids, positions, slot_mapping, seq_lens, tables,
+           lora) -> torch.Tensor:
+    """The eager forward on the same padded batch as the graph (same shapes, so the same kernels)."""
     dev = graph_runner.device
     n = input_ids.shape[0]
+    pad = bucket - n
+    ids = np.concatenate([input_ids, np.zeros(pad, np.int64)])
+    pos = np.concatenate([positions, np.zeros(pad, np.int64)])
+    slots = np.concatenate([slot_mapping, np.full(pad, graph_runner.dummy_slot, np.int64)])
+    lens = np.concatenate([seq_lens, np.zeros(pad, np.int32)])
+    padded_tables = np.full((bucket, graph_runner.max_blocks), graph_runner.dummy_slot // graph_runner.block_size,
+                            dtype=np.int32)
+    padded_tables[:n, :tables.shape[1]] = tables
     attn = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slot_mapping).to(dev), block_tables=torch.from_numpy(tables).to(dev),
-        seq_lens=torch.from_numpy(seq_lens).to(dev),
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=dev), max_query_len=1, is_decode=True)
-    meta = graph_runner.lora_meta_builder.build(lora) if lora is not None else None
-    return model(torch.from_numpy(input_ids).to(dev), torch.from_numpy(positions).to(dev), ForwardContext(attn, meta))
+        slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(padded_tables).to(dev),
+        seq_lens=torch.from_numpy(lens).to(dev),
+        query_start_loc=torch.arange(bucket + 1, dtype=torch.int32, device=dev), max_query_len=1, is_decode=True)
+    meta = None
+    if lora is not None:
+        meta = graph_runner.lora_meta_builder.build(np.concatenate([lora, np.full(pad, -1, np.int64)]))
+    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), ForwardContext(attn, meta))
+    return out[:n]
