@@ -11,7 +11,9 @@ beyond the rank are masked, so they are neither read nor counted.
 
 Two static shapes: decode (T <= SHRINK_DECODE_MAX_TOKENS) splits K up to 16
 ways so that the few tiles of each adapter still spread its A rows over many
-programs (the partial sums are added atomically into a zeroed output);
+programs (each split writes its partial sums to a scratch slice, summed in a
+fixed order afterwards: no atomics, so results are deterministic run to run,
+which the start-up graph-vs-eager check relies on);
 prefill uses larger token and row tiles. The choice depends on T alone, so one
 CUDA graph bucket always runs the same kernel.
 """
@@ -33,7 +35,7 @@ class ShrinkConfig:
     block_m: int  # tokens per tile
     block_n: int  # rows of A (of S*R) per tile
     block_k: int  # hidden features per inner step
-    split_k: int  # programs sharing one dot product's K range (atomic adds when > 1)
+    split_k: int  # programs sharing one dot product's K range (partial sums when > 1)
     num_warps: int = 4
     num_stages: int = 3
 
@@ -73,7 +75,7 @@ def slot_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras,
 def _shrink_kernel(
     x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, out_ptr,
     num_tokens, hidden, sr, rank_max, num_loras, k_per_split,
-    stride_xt, stride_xk, stride_al, stride_an, stride_ak, stride_ot, stride_on,
+    stride_xt, stride_xk, stride_al, stride_an, stride_ak, stride_os, stride_ot, stride_on,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -103,12 +105,9 @@ def _shrink_kernel(
                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
         acc += tl.dot(x, a, input_precision=PRECISION)
 
-    out = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on
-    mask = tok_ok[:, None] & (rows < sr)[None, :]
-    if SPLIT_K == 1:
-        tl.store(out, acc, mask=mask)
-    else:
-        tl.atomic_add(out, acc, mask=mask)
+    out = (out_ptr + split.to(tl.int64) * stride_os + tok.to(tl.int64)[:, None] * stride_ot
+           + rows[None, :] * stride_on)
+    tl.store(out, acc, mask=tok_ok[:, None] & (rows < sr)[None, :])
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
@@ -137,20 +136,23 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     cfg = config or shrink_config(num_tokens, hidden, sr)
     if num_tokens == 0:
         return
-    if cfg.split_k > 1:
-        out.zero_()  # split-K programs add their partial sums
+    # partial: [split_k, T, S*R]; each split writes its own slice, summed below in a fixed order
+    partial = out.unsqueeze(0) if cfg.split_k == 1 else torch.empty(
+        cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(sr, cfg.block_n) * cfg.split_k,
             triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
     _shrink_kernel[grid](
-        x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, out,
+        x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, partial,
         num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        out.stride(0), out.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2),
         LORAS_P2=loras_p2(num_loras), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if cfg.split_k > 1:
+        torch.sum(partial, dim=0, out=out)
 
 
 def loras_p2(num_loras: int) -> int:

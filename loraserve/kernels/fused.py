@@ -1,0 +1,218 @@
+"""Fused elementwise Triton kernels of the decoder layer, one launch each.
+
+- ``rms_norm``: optional residual add + RMSNorm (HF numerics);
+- ``silu_and_mul``: ``silu(gate) * up`` on the packed gate/up output;
+- ``rotary_and_cache``: rotate-half rotary on q and k, plus the K/V cache write.
+
+Semantics match ``fused_reference`` (see each function for the rounding).
+Inputs may be strided views whose last dim is contiguous; outputs are new
+``torch.empty`` tensors, so every function can be captured in a CUDA graph.
+"""
+import torch
+import triton
+import triton.language as tl
+
+_SILU_BLOCK = 1024
+_ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_res, stride_out, stride_res_out,
+    dim, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per row: s = x (+ residual, rounded), out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    mask = cols < dim
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_D]
+    dtype = x.dtype
+    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
+        s = (xf + r).to(dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, s, mask=mask)
+        xf = s.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = w * (xf * rstd).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [T, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, D]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
+
+    With a residual, ``s = x + residual`` is computed in fp32, rounded to
+    ``x.dtype`` and returned as the new residual; the norm is taken of ``s``.
+    The output dtype is ``promote_types(x.dtype, weight.dtype)`` as in torch.
+    The mean of squares is an fp32 tree sum: it may differ from torch's in the
+    last fp32 bit, so bf16 outputs agree with the reference within one ulp.
+    """
+    num_tokens, dim = x.shape
+    assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape == (dim,)
+    out = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_out = None
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(-1) == 1
+        res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out, res_out
+    block_d = triton.next_power_of_2(dim)
+    num_warps = 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
+    res_in = x if residual is None else residual
+    res_dst = out if res_out is None else res_out
+    _rms_norm_kernel[(num_tokens,)](
+        x, res_in, weight, out, res_dst,
+        x.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
+        dim, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return out, res_out
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    in_ptr, out_ptr, stride_in, stride_out, inter,
+    BLOCK: tl.constexpr,
+):
+    """Program (row, block): out[row, cols] = round(round(silu(gate)) * up), silu in fp32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0)  # [BLOCK]
+    up = tl.load(in_ptr + row * stride_in + inter + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    out = act * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
+
+    silu is computed in fp32 and rounded to the input dtype, then the product
+    is rounded, as torch does; ``exp`` is Triton's, so bf16 results agree with
+    torch within one ulp (almost always exactly).
+    """
+    num_tokens, two_inter = gate_up.shape
+    assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
+    inter = two_inter // 2
+    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if num_tokens == 0:
+        return out
+    grid = (num_tokens, triton.cdiv(inter, _SILU_BLOCK))
+    _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
+                               BLOCK=_SILU_BLOCK, num_warps=4)
+    return out
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr, stride_src_h, dst_ptr, stride_dst_h,  # base pointers at this token
+    heads, head_mask, d, d_mask, cos, sin, half,  # heads: [HB]; d: [BLOCK_HALF]; cos, sin: [BLOCK_HALF] fp32
+):
+    """dst[h] = [x1*c - x2*s, x2*c + x1*s] for heads ``heads``; each product and sum rounds to src's dtype."""
+    mask = head_mask[:, None] & d_mask[None, :]
+    src = src_ptr + heads[:, None] * stride_src_h + d[None, :]  # [HB, BLOCK_HALF]
+    x1 = tl.load(src, mask=mask, other=0.0)
+    x2 = tl.load(src + half, mask=mask, other=0.0)
+    dtype = x1.dtype
+    c = cos.to(dtype).to(tl.float32)[None, :]
+    s = sin.to(dtype).to(tl.float32)[None, :]
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
+    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
+    dst = dst_ptr + heads[:, None] * stride_dst_h + d[None, :]
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst, o1.to(dtype).to(out_ty), mask=mask)
+    tl.store(dst + half, o2.to(dtype).to(out_ty), mask=mask)
+
+
+@triton.jit
+def _rotary_and_cache_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    stride_qot, stride_qoh,
+    num_heads, num_kv_heads, block_size, half,
+    HB: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Program (token, group): groups < cdiv(H, HB) rotate q heads; the rest rotate k and copy v to the cache."""
+    t = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    num_q_groups = tl.cdiv(num_heads, HB)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < half
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cs + d, mask=d_mask, other=0.0)  # [BLOCK_HALF] fp32
+    sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_mask, other=0.0)
+    if group < num_q_groups:
+        heads = group * HB + tl.arange(0, HB)
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_qot, stride_qoh,
+                      heads, heads < num_heads, d, d_mask, cos, sin, half)
+    else:
+        heads = (group - num_q_groups) * HB + tl.arange(0, HB)
+        head_mask = heads < num_kv_heads
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        blk = slot // block_size
+        off = slot % block_size
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + blk * stride_kcb + off * stride_kcs,
+                      stride_kch, heads, head_mask, d, d_mask, cos, sin, half)
+        cols = tl.arange(0, 2 * BLOCK_HALF)
+        mask = head_mask[:, None] & (cols < 2 * half)[None, :]
+        v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)  # [HB, 2*BH]
+        v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + cols[None, :]
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rotary_and_cache(
+    q: torch.Tensor,  # [T, H, hd]
+    k: torch.Tensor,  # [T, KVH, hd]
+    v: torch.Tensor,  # [T, KVH, hd]
+    positions: torch.Tensor,  # [T] int64
+    cos_sin: torch.Tensor,  # [P, hd] fp32: cos in the first hd/2 columns, sin in the last hd/2
+    k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
+    v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
+    slot_mapping: torch.Tensor,  # [T] int64, every entry a valid slot
+) -> torch.Tensor:  # [T, H, hd] rotated q (new contiguous tensor, dtype of q)
+    """Rotary on q and k, rotated k and plain v written to the caches, in one launch; see ``rotary_and_cache_ref``.
+
+    Rounding matches torch bit for bit in bf16/fp16: cos/sin are rounded to
+    the model dtype, each product ``x*cos``, ``x*sin`` is computed in fp32
+    and rounded to the model dtype, then their sum is computed in fp32 and
+    rounded (exactly what torch's elementwise bf16 ops do). In fp32 the
+    compiler may fuse a product into the sum (FMA): within an fp32 ulp or two.
+    q/k/v may be strided views (e.g. splits of the packed qkv output) with
+    a contiguous last dim.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert head_dim % 2 == 0 and k.shape == v.shape == (num_tokens, num_kv_heads, head_dim)
+    assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos_sin.dtype == torch.float32
+    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    half = head_dim // 2
+    block_half = triton.next_power_of_2(half)
+    hb = max(1, min(_ROTARY_TILE // block_half, triton.next_power_of_2(max(num_heads, num_kv_heads))))
+    grid = (num_tokens, triton.cdiv(num_heads, hb) + triton.cdiv(num_kv_heads, hb))
+    _rotary_and_cache_kernel[grid](
+        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q_out.stride(0), q_out.stride(1),
+        num_heads, num_kv_heads, k_cache.shape[1], half,
+        HB=hb, BLOCK_HALF=block_half, num_warps=4,
+    )
+    return q_out

@@ -1,0 +1,60 @@
+"""Plain-torch versions of the fused elementwise kernels (kernels/fused.py).
+
+They are the engine's CPU path and the kernels' test oracles. Every op rounds
+to the model dtype exactly where the HF Llama code does, so in bf16/fp16 they
+reproduce HF bit for bit.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_ref(
+    x: torch.Tensor,  # [T, D]
+    weight: torch.Tensor,  # [D]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [T, D]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(s), s or None) with ``s = x + residual`` rounded to ``x.dtype`` (``s = x`` without residual).
+
+    RMSNorm as HF: ``w * (sf * rsqrt(mean(sf^2) + eps)).to(dtype)``, ``sf = s.float()``;
+    the output dtype is the promotion of x's and weight's dtypes.
+    """
+    s = x if residual is None else (x + residual).to(x.dtype)  # [T, D]
+    sf = s.float()
+    normed = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)  # [T, D] fp32
+    out = weight * normed.to(x.dtype)
+    return out, (None if residual is None else s)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: ``silu(gate) * up`` in the input dtype (gate: the first I columns)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary_and_cache_ref(
+    q: torch.Tensor,  # [T, H, hd]
+    k: torch.Tensor,  # [T, KVH, hd]
+    v: torch.Tensor,  # [T, KVH, hd]
+    positions: torch.Tensor,  # [T] int
+    cos_sin: torch.Tensor,  # [P, hd] fp32: cos in the first hd/2 columns, sin in the last hd/2
+    k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
+    v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
+    slot_mapping: torch.Tensor,  # [T] int, every entry a valid slot
+) -> torch.Tensor:  # [T, H, hd] rotated q, dtype of q
+    """Rotate-half (NeoX) rotary on q and k, rotated k and plain v stored at ``slot_mapping``.
+
+    cos/sin are cast to the model dtype first; each product and the sum round
+    to the model dtype (``x1*c - x2*s`` has the bits of HF's ``x*cos + rotate_half(x)*sin``).
+    """
+    half = q.shape[-1] // 2
+    cos, sin = cos_sin[positions].to(q.dtype).unsqueeze(1).split(half, dim=-1)  # [T, 1, hd/2] each
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.split(half, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, rotate(k).to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    return rotate(q)

@@ -1,0 +1,136 @@
+"""Fused elementwise kernels (fp32, tiny shapes) against their torch references.
+
+Without CUDA the kernels run in Triton's interpreter on CPU tensors
+(tests/conftest.py sets TRITON_INTERPRET). The references are checked bit for
+bit against the model's own layers (models/layers.py RMSNorm and
+RotaryEmbedding, attention_reference.write_kv_cache), in fp32 and bf16.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraserve.kernels.attention_reference import write_kv_cache
+from loraserve.kernels.fused import rms_norm, rotary_and_cache, silu_and_mul
+from loraserve.kernels.fused_reference import rms_norm_ref, rotary_and_cache_ref, silu_and_mul_ref
+from loraserve.models.layers import RMSNorm, RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-5
+
+
+def rand(*shape, dtype=torch.float32, gen):
+    return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def make_norm(dim, dtype, gen):
+    norm = RMSNorm(dim, EPS)
+    norm.weight.data = 1.0 + 0.1 * torch.randn(dim, generator=gen)
+    return norm.to(device=DEVICE, dtype=dtype)
+
+
+def make_rotary(head_dim, max_pos):
+    rotary = RotaryEmbedding(head_dim, max_pos, 10000.0, None).to(DEVICE)
+    rotary.reset_buffers()
+    return rotary
+
+
+def qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype, gen):
+    """q, k, v as strided views of one packed [T, (H + 2 KVH) * hd] tensor, as the model splits it."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = 3 * rand(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+            v.view(-1, num_kv_heads, head_dim))
+
+
+def make_caches(num_blocks, block_size, num_kv_heads, head_dim, dtype):
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    return k_cache, k_cache.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_ref_matches_layers(dtype, with_residual):
+    gen = torch.Generator().manual_seed(0)
+    norm = make_norm(72, dtype, gen)
+    x, residual = rand(5, 72, dtype=dtype, gen=gen), rand(5, 72, dtype=dtype, gen=gen)
+    out, new_res = rms_norm_ref(x, norm.weight, EPS, residual if with_residual else None)
+    s = residual + x if with_residual else x  # the HF decoder's residual add
+    assert torch.equal(out, norm(s))
+    assert new_res is None if not with_residual else torch.equal(new_res, s)
+
+
+def test_silu_and_mul_ref_matches_torch():
+    gen = torch.Generator().manual_seed(1)
+    gate_up = rand(4, 2 * 40, dtype=torch.bfloat16, gen=gen)
+    gate, up = gate_up[:, :40], gate_up[:, 40:]
+    assert torch.equal(silu_and_mul_ref(gate_up), F.silu(gate) * up)
+    want = (gate.float() * torch.sigmoid(gate.float())).to(torch.bfloat16).float() * up.float()
+    assert torch.equal(silu_and_mul_ref(gate_up), want.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_rotary_and_cache_ref_matches_layers(dtype, head_dim):
+    gen = torch.Generator().manual_seed(2)
+    rotary = make_rotary(head_dim, 64)
+    q, k, v = qkv_views(6, 4, 2, head_dim, dtype, gen)
+    positions = torch.randint(0, 64, (6,), generator=gen).to(DEVICE)
+    slots = torch.randperm(3 * 4, generator=gen)[:6].to(DEVICE)
+    want_kc, want_vc = make_caches(3, 4, 2, head_dim, dtype)
+    got_kc, got_vc = make_caches(3, 4, 2, head_dim, dtype)
+    want_q, want_k = rotary(positions, q, k)
+    write_kv_cache(want_k, v, want_kc, want_vc, slots)
+    got_q = rotary_and_cache_ref(q, k, v, positions, rotary.cos_sin, got_kc, got_vc, slots)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(got_kc.nan_to_num(), want_kc.nan_to_num())
+    assert torch.equal(got_vc.nan_to_num(), want_vc.nan_to_num())
+
+
+@pytest.mark.parametrize("dim", [72, 576, 64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_kernel(dim, with_residual):
+    gen = torch.Generator().manual_seed(dim)
+    weight = make_norm(dim, torch.float32, gen).weight.data
+    wide = rand(3, dim + 8, gen=gen)
+    x = wide[:, :dim]  # strided rows
+    residual = rand(3, dim, gen=gen) if with_residual else None
+    out, new_res = rms_norm(x, weight, EPS, residual)
+    want, want_res = rms_norm_ref(x, weight, EPS, residual)
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6)
+    if with_residual:
+        assert torch.equal(new_res, want_res)
+    else:
+        assert new_res is None
+
+
+def test_rms_norm_kernel_empty():
+    out, new_res = rms_norm(torch.empty(0, 8, device=DEVICE), torch.ones(8, device=DEVICE), EPS)
+    assert out.shape == (0, 8) and new_res is None
+
+
+@pytest.mark.parametrize("inter", [40, 1100])
+def test_silu_and_mul_kernel(inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = 4 * rand(3, 2 * inter + 16, gen=gen)[:, : 2 * inter]  # strided rows
+    torch.testing.assert_close(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(4, 2, 16), (3, 1, 64), (2, 2, 16)])
+def test_rotary_and_cache_kernel(num_heads, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(head_dim + num_heads)
+    num_tokens, num_blocks, block_size = 5, 4, 4
+    q, k, v = qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, torch.float32, gen)
+    rotary = make_rotary(head_dim, 128)
+    positions = torch.randint(0, 128, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    want_kc, want_vc = make_caches(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    got_kc, got_vc = make_caches(num_blocks, block_size, num_kv_heads, head_dim, torch.float32)
+    want_q = rotary_and_cache_ref(q, k, v, positions, rotary.cos_sin, want_kc, want_vc, slots)
+    got_q = rotary_and_cache(q, k, v, positions, rotary.cos_sin, got_kc, got_vc, slots)
+    torch.testing.assert_close(got_q, want_q, rtol=2e-6, atol=1e-6)
+    # slots no token maps to stay NaN in both
+    torch.testing.assert_close(got_kc, want_kc, rtol=2e-6, atol=1e-6, equal_nan=True)
+    assert torch.equal(got_vc.nan_to_num(), want_vc.nan_to_num())
+    assert torch.equal(got_vc.isnan(), want_vc.isnan())
