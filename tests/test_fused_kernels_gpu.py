@@ -1,8 +1,9 @@
 """GPU tests of the fused elementwise kernels against their torch references, Llama-3-8B shapes.
 
-bf16/fp16: rotary and the cache writes are bit for bit; RMSNorm and SiLU*mul
-within one ulp of the model dtype (fp32 tree sum / Triton exp). The new
-residual is bit for bit. A CUDA-graph test captures all three kernels and
+Rotary + cache writes and SiLU*mul are bit for bit in every dtype, as is the
+new residual. RMSNorm's fp32 sum of squares runs in another order than
+torch's, so its output may be two ulps off (one ulp in the normalized value,
+then the weight multiply rounds), in a small fraction of elements. A CUDA-graph test captures all three kernels and
 replays them on fresh inputs.
 """
 import pytest
@@ -24,17 +25,26 @@ def rand(*shape, dtype, gen, scale=1.0):
     return (scale * torch.randn(*shape, generator=gen, device="cuda")).to(dtype)
 
 
-def assert_ulps(got, want, ulps):
-    """|got - want| <= ulps * eps(dtype) * max(|got|, |want|) elementwise (tiny absolute slack)."""
+def assert_ulps(got, want, ulps, max_mismatch=1e-3):
+    """|got - want| <= ulps * eps(dtype) * max(|got|, |want|), and at most max_mismatch of elements differ."""
     assert got.dtype == want.dtype and got.shape == want.shape
     g, w = got.float(), want.float()
     tol = ulps * torch.finfo(got.dtype).eps * torch.maximum(g.abs(), w.abs()) + 1e-30
     bad = (g - w).abs() > tol
     assert not bad.any(), f"{int(bad.sum())} elements differ by more than {ulps} ulp; max diff {(g - w).abs().max()}"
+    mismatch = (g != w).float().mean().item()
+    assert mismatch <= max_mismatch, f"{mismatch:.2e} of elements differ"
 
 
-def ulps_for(dtype):
-    return 4 if dtype == torch.float32 else 1
+def assert_norm_close(got, want):
+    """fp32: a different rstd moves most elements by an ulp or a few; bf16/fp16: a few, by at most two ulps.
+
+    With one row (T=1, fp16) 0.22 % of elements were seen to differ.
+    """
+    if got.dtype == torch.float32:
+        assert_ulps(got, want, 16, max_mismatch=1.0)
+    else:
+        assert_ulps(got, want, 2, max_mismatch=1e-2)
 
 
 def rotary_table():
@@ -69,7 +79,7 @@ def test_rms_norm(dtype, num_tokens, with_residual, dim):
     residual = rand(num_tokens, dim, dtype=dtype, gen=gen, scale=4.0) if with_residual else None
     out, new_res = rms_norm(x, weight, EPS, residual)
     want, want_res = rms_norm_ref(x, weight, EPS, residual)
-    assert_ulps(out, want, ulps_for(dtype))
+    assert_norm_close(out, want)
     if with_residual:
         assert torch.equal(new_res, want_res)
     else:
@@ -81,7 +91,7 @@ def test_rms_norm(dtype, num_tokens, with_residual, dim):
 def test_silu_and_mul(dtype, num_tokens):
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
     gate_up = rand(num_tokens, 2 * INTER, dtype=dtype, gen=gen, scale=3.0)
-    assert_ulps(silu_and_mul(gate_up), silu_and_mul_ref(gate_up), ulps_for(dtype))
+    assert torch.equal(silu_and_mul(gate_up), silu_and_mul_ref(gate_up))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,13 +104,8 @@ def test_rotary_and_cache(dtype, num_tokens):
     got_q = rotary_and_cache(q, k, v, positions, cos_sin, got_caches[0], got_caches[1], slots)
     want_q = rotary_and_cache_ref(q, k, v, positions, cos_sin, want_caches[0], want_caches[1], slots)
     assert torch.equal(got_caches.isnan(), want_caches.isnan())
-    assert torch.equal(got_caches[1].nan_to_num(), want_caches[1].nan_to_num())
-    if dtype == torch.float32:
-        assert_ulps(got_q, want_q, 4)
-        assert_ulps(got_caches[0].nan_to_num(), want_caches[0].nan_to_num(), 4)
-    else:
-        assert torch.equal(got_q, want_q)
-        assert torch.equal(got_caches[0].nan_to_num(), want_caches[0].nan_to_num())
+    assert torch.equal(got_caches.nan_to_num(), want_caches.nan_to_num())
+    assert torch.equal(got_q, want_q)
 
 
 def test_cuda_graph_replay():
@@ -139,8 +144,8 @@ def test_cuda_graph_replay():
         want_caches = torch.full_like(caches, float("nan"))
         want_q = rotary_and_cache_ref(q, k, v, positions, cos_sin, want_caches[0], want_caches[1], slots)
         want_norm, want_res = rms_norm_ref(x, weight, EPS, residual)
-        assert_ulps(outs[0], want_norm, 1)
+        assert_norm_close(outs[0], want_norm)
         assert torch.equal(outs[1], want_res)
         assert torch.equal(outs[2], want_q)
         assert torch.equal(caches.nan_to_num(), want_caches.nan_to_num())
-        assert_ulps(outs[3], silu_and_mul_ref(gate_up), 1)
+        assert torch.equal(outs[3], silu_and_mul_ref(gate_up))

@@ -5,12 +5,7 @@ import argparse
 import sys
 import time
 
-
-def _lora_pair(text: str) -> tuple[str, str]:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
-    return name, path
+from loraserve.entrypoints.serve_cli import parse_lora_module
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +27,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     p.add_argument("--stop", nargs="*", default=None, help="stop strings")
     p.add_argument("--ignore-eos", action="store_true")
-    p.add_argument("--lora", nargs="+", type=_lora_pair, default=[], metavar="NAME=PATH", help="adapters to register")
+    p.add_argument("--lora", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH", help="adapters to register")
     p.add_argument("--use-lora", default=None, metavar="NAME", help="generate with this registered adapter")
     p.add_argument("--max-loras", type=int, default=4)
     p.add_argument("--max-lora-rank", type=int, default=64)

@@ -15,7 +15,7 @@ from loraserve.lora.request import LoRARequest
 logger = logging.getLogger(__name__)
 
 
-def _lora_module(text: str) -> tuple[str, str]:
+def parse_lora_module(text: str) -> tuple[str, str]:
     name, sep, path = text.partition("=")
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
@@ -42,7 +42,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve adapters (implied by --lora-modules and --enable-runtime-lora-updates)")
-    parser.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+    parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
                         help="adapters to register at start")
     parser.add_argument("--max-loras", type=int, default=4, help="adapters in GPU slots at once")
     parser.add_argument("--max-lora-rank", type=int, default=64)

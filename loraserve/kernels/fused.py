@@ -7,10 +7,13 @@
 Semantics match ``fused_reference`` (see each function for the rounding).
 Inputs may be strided views whose last dim is contiguous; outputs are new
 ``torch.empty`` tensors, so every function can be captured in a CUDA graph.
+Kernels launch with ``enable_fp_fusion=False``: no FMA contraction, so each
+op rounds where torch's does.
 """
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
@@ -20,7 +23,7 @@ _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_res, stride_out, stride_res_out,
-    dim, eps,
+    dim, inv_dim, eps,
     HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """One program per row: s = x (+ residual, rounded), out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
@@ -35,7 +38,7 @@ def _rms_norm_kernel(
         s = (xf + r).to(dtype)
         tl.store(res_out_ptr + row * stride_res_out + cols, s, mask=mask)
         xf = s.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / dim + eps)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_dim + eps)  # torch's mean multiplies by fp32(1/D)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = w * (xf * rstd).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -52,8 +55,10 @@ def rms_norm(
     With a residual, ``s = x + residual`` is computed in fp32, rounded to
     ``x.dtype`` and returned as the new residual; the norm is taken of ``s``.
     The output dtype is ``promote_types(x.dtype, weight.dtype)`` as in torch.
-    The mean of squares is an fp32 tree sum: it may differ from torch's in the
-    last fp32 bit, so bf16 outputs agree with the reference within one ulp.
+    Every op rounds as torch's does except the fp32 sum of squares, whose
+    order differs: rstd may differ in its last bits, so the normalized value
+    can be one ulp off the reference (rarely), and the output after the weight
+    multiply within two ulps.
     """
     num_tokens, dim = x.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape == (dim,)
@@ -71,8 +76,8 @@ def rms_norm(
     _rms_norm_kernel[(num_tokens,)](
         x, res_in, weight, out, res_dst,
         x.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
-        dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps,
+        dim, 1.0 / dim, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out, res_out
 
@@ -80,7 +85,7 @@ def rms_norm(
 @triton.jit
 def _silu_and_mul_kernel(
     in_ptr, out_ptr, stride_in, stride_out, inter,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
 ):
     """Program (row, block): out[row, cols] = round(round(silu(gate)) * up), silu in fp32."""
     row = tl.program_id(0).to(tl.int64)
@@ -89,7 +94,11 @@ def _silu_and_mul_kernel(
     gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0)  # [BLOCK]
     up = tl.load(in_ptr + row * stride_in + inter + cols, mask=mask, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    if LIBDEVICE_EXP:  # CUDA's expf, as torch's silu uses
+        e = libdevice.exp(-g)
+    else:  # Triton's interpreter has no libdevice
+        e = tl.exp(-g)
+    act = tl.math.div_rn(g, 1.0 + e).to(gate.dtype).to(tl.float32)
     out = act * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
@@ -97,9 +106,10 @@ def _silu_and_mul_kernel(
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
 
-    silu is computed in fp32 and rounded to the input dtype, then the product
-    is rounded, as torch does; ``exp`` is Triton's, so bf16 results agree with
-    torch within one ulp (almost always exactly).
+    silu is ``g / (1 + exp(-g))`` in fp32 (IEEE division, CUDA's ``expf`` via
+    libdevice, as torch computes it) rounded to the input dtype, then the
+    product is rounded: bit for bit with torch on the GPU. Triton's
+    interpreter has no libdevice and uses ``tl.exp`` (within an fp32 ulp).
     """
     num_tokens, two_inter = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
@@ -109,7 +119,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     grid = (num_tokens, triton.cdiv(inter, _SILU_BLOCK))
     _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                               BLOCK=_SILU_BLOCK, num_warps=4)
+                               BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
+                               enable_fp_fusion=False)
     return out
 
 
@@ -188,8 +199,8 @@ def rotary_and_cache(
     Rounding matches torch bit for bit in bf16/fp16: cos/sin are rounded to
     the model dtype, each product ``x*cos``, ``x*sin`` is computed in fp32
     and rounded to the model dtype, then their sum is computed in fp32 and
-    rounded (exactly what torch's elementwise bf16 ops do). In fp32 the
-    compiler may fuse a product into the sum (FMA): within an fp32 ulp or two.
+    rounded (exactly what torch's elementwise bf16 ops do). FMA contraction
+    is disabled (``enable_fp_fusion=False``), so fp32 is bit for bit too.
     q/k/v may be strided views (e.g. splits of the packed qkv output) with
     a contiguous last dim.
     """
@@ -213,6 +224,6 @@ def rotary_and_cache(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         q_out.stride(0), q_out.stride(1),
         num_heads, num_kv_heads, k_cache.shape[1], half,
-        HB=hb, BLOCK_HALF=block_half, num_warps=4,
+        HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
     )
     return q_out

@@ -1,10 +1,12 @@
-"""Paged attention layer: writes the step's K/V into the cache, then attends over the cache."""
+"""Paged attention layer: rotary + KV-cache write in one op, then attention over the cache."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loraserve.kernels.attention_reference import paged_attention_ref, write_kv_cache
+from loraserve.kernels.attention_reference import paged_attention_ref
+from loraserve.models.layers import RotaryEmbedding
+from loraserve.models.ops import rotary_and_cache
 from loraserve.worker.forward_context import AttentionMetadata
 
 
@@ -15,19 +17,22 @@ class PagedAttention(nn.Module):
     allocated; the tensors never move afterwards (CUDA graphs rely on that).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
+        self.rotary = rotary
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, KVH, hd]
         self.v_cache: torch.Tensor | None = None
 
     def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         self.k_cache, self.v_cache = k_cache, v_cache
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        # q: [T, H, hd]; k, v: [T, KVH, hd] -> [T, H * hd]
-        write_kv_cache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        # positions: [T]; q: [T, H, hd]; k, v: [T, KVH, hd] (views of the packed qkv) -> [T, H * hd]
+        q = rotary_and_cache(q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache,
+                             meta.slot_mapping)
         if q.is_cuda:
             from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention
 

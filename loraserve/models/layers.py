@@ -7,21 +7,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.models.ops import rms_norm
+
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back as HF does."""
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back as HF does.
+
+    With a residual, the residual add is fused in: returns (norm(x + residual), x + residual).
+    """
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, D]
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # x, residual: [T, D] -> (out [T, D], new residual [T, D] or None)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -47,7 +49,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half (NeoX style) rotary embedding over the full head dim, cos/sin cached per position."""
+    """The cos/sin table of rotate-half (NeoX style) rotary embedding, per position.
+
+    `cos_sin: [max_position, head_dim]` fp32 holds cos in the first half and sin
+    in the second; models/ops.rotary_and_cache applies it.
+    """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
@@ -62,18 +68,6 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(self.max_position, device=device, dtype=torch.float32)
         freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, hd] fp32
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T]; q: [T, H, hd]; k: [T, KVH, hd]
-        cos, sin = self.cos_sin[positions].to(q.dtype).chunk(2, dim=-1)  # [T, hd/2] each
-        cos = torch.cat([cos, cos], dim=-1).unsqueeze(1)  # [T, 1, hd]
-        sin = torch.cat([sin, sin], dim=-1).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
 
 
 class VocabEmbedding(nn.Module):

@@ -7,12 +7,12 @@ Parameter names follow the HF checkpoints except for the packed layers:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from loraserve.models.attention import PagedAttention
 from loraserve.models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
 from loraserve.models.linear import PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from loraserve.models.ops import silu_and_mul
 from loraserve.worker.forward_context import ForwardContext
 
 # checkpoint module name -> (packed module name, shard id)
@@ -32,8 +32,8 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(d, self.head_dim, self.num_heads, self.num_kv_heads, bias=qkv_bias)
         self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, d, bias=False)
         theta, scaling = rope_settings(config)
-        self.rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        rotary = RotaryEmbedding(self.head_dim, config.max_position_embeddings, theta, scaling)
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, rotary)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
@@ -44,8 +44,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, ctx.attn)  # [T, H * hd]
+        out = self.attn(positions, q, k, v, ctx.attn)  # [T, H * hd]
         return self.o_proj(out, ctx.lora)
 
 
@@ -61,8 +60,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gate_up = self.gate_up_proj(x, ctx.lora)  # [T, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, ctx.lora)
+        return self.down_proj(silu_and_mul(gate_up), ctx.lora)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,9 +71,16 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, ctx):
-        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), ctx)
+    def forward(self, positions, x, residual, ctx):
+        # x: [T, D] the previous layer's output, residual: [T, D] the stream before it (None at layer 0);
+        # the residual adds are fused into the norms: exactly HF's `residual + x` rounded to the dtype
+        if residual is None:
+            h, residual = self.input_layernorm(x)[0], x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, ctx), residual
 
 
 class LlamaModel(nn.Module):
@@ -86,10 +91,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, ctx):
-        x = self.embed_tokens(input_ids)  # [T, D]
+        x, residual = self.embed_tokens(input_ids), None  # [T, D]
         for layer in self.layers:
-            x = layer(positions, x, ctx)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, ctx)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
