@@ -109,6 +109,8 @@ class ModelRunner:
 
     # -- one step -------------------------------------------------------------
     def prepare(self, scheduled: list[ScheduledSequence], lora_slots: dict[str, int]) -> StepInputs:
+        if all(item.num_new_tokens == 1 for item in scheduled):
+            return self._prepare_decode(scheduled, lora_slots)
         bs = self.block_size
         ids, pos, slots, lora, rows = [], [], [], [], []
         seq_lens, qsl = [], [0]
@@ -133,6 +135,24 @@ class ModelRunner:
                           np.concatenate(slots).astype(np.int64), tables, np.asarray(seq_lens, np.int32),
                           np.asarray(qsl, np.int32), np.concatenate(lora), np.asarray(rows, np.int64),
                           max(s.num_new_tokens for s in scheduled))
+
+    def _prepare_decode(self, scheduled: list[ScheduledSequence], lora_slots: dict[str, int]) -> StepInputs:
+        """The decode-only case with plain Python ints: per-sequence numpy calls cost more than they save."""
+        bs = self.block_size
+        n = len(scheduled)
+        seqs = [item.seq for item in scheduled]
+        positions = [seq.num_computed_tokens for seq in seqs]
+        ids = [seq.token_range(p, p + 1)[0] for seq, p in zip(seqs, positions)]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        lora = [lora_slots[seq.lora_name] if seq.lora_name is not None else -1 for seq in seqs]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = np.zeros((n, max_blocks), dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        rows = np.arange(n, dtype=np.int64)
+        return StepInputs(np.asarray(ids, np.int64), np.asarray(positions, np.int64), np.asarray(slots, np.int64),
+                          tables, np.asarray(positions, np.int32) + 1, np.arange(n + 1, dtype=np.int32),
+                          np.asarray(lora, np.int32), rows, 1)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -43,21 +43,19 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
         # logits: [N, V] fp32
         n = logits.shape[0]
-        greedy = [p.greedy for p in params]
-        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-        greedy_rows = [i for i in range(n) if greedy[i]]
-        if greedy_rows:
-            idx = torch.tensor(greedy_rows, device=logits.device)
-            tokens[idx] = logits[idx].argmax(dim=-1)
-        random_rows = [i for i in range(n) if not greedy[i]]
-        if random_rows:
-            idx = torch.tensor(random_rows, device=logits.device)
-            probs = self._filtered_probs(logits[idx], [params[i] for i in random_rows])  # [R, V]
-            # exponential race: argmax(p / E) with E ~ Exp(1) samples from p; E drawn per row's generator
-            noise = torch.empty_like(probs)
-            for j, i in enumerate(random_rows):
-                noise[j].exponential_(generator=self._generator_for(request_ids[i], params[i]))
-            tokens[idx] = (probs / noise).argmax(dim=-1)
+        greedy_rows = [i for i in range(n) if params[i].greedy]
+        random_rows = [i for i in range(n) if not params[i].greedy]
+        if not random_rows:
+            tokens = logits.argmax(dim=-1)  # [N]
+        elif not greedy_rows:
+            tokens = self._sample(logits, request_ids, params)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+            g = torch.tensor(greedy_rows, device=logits.device)
+            r = torch.tensor(random_rows, device=logits.device)
+            tokens[g] = logits[g].argmax(dim=-1)
+            tokens[r] = self._sample(logits[r], [request_ids[i] for i in random_rows],
+                                     [params[i] for i in random_rows])
         want = [p.logprobs for p in params]
         token_list = tokens.tolist()
         if not any(w is not None for w in want):
@@ -76,6 +74,17 @@ class Sampler:
             entry[token_list[i]] = sampled_lp[i]
             out.append(entry)
         return SamplerOutput(token_list, out)
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each row's E from its generator."""
+        probs = self._filtered_probs(logits, params)  # [R, V]
+        noise = torch.empty_like(probs)
+        if all(p.seed is None for p in params):
+            noise.exponential_(generator=self.generator)
+        else:
+            for j, (rid, p) in enumerate(zip(request_ids, params)):
+                noise[j].exponential_(generator=self._generator_for(rid, p))
+        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
