@@ -269,6 +269,17 @@ def print_table(headers: list[str], rows: list[list]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
 
 
+def print_engines(engines: dict[str, dict], with_kv_blocks: bool) -> None:
+    """One line per engine: build time, KV blocks, graphs captured, capture time and memory."""
+    for mode, info in engines.items():
+        blocks = f", {info['num_kv_blocks']} KV blocks" if with_kv_blocks else ""
+        extra = ""
+        if info["num_graphs"]:
+            extra = (f", {info['num_graphs']}/{info['num_buckets']} graphs up to batch {info['max_bucket']} "
+                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB")
+        print(f"engine {mode}: built in {info['build_seconds']:.1f} s{blocks}{extra}")
+
+
 def write_json(out_dir: str | None, name: str, data: dict) -> None:
     if out_dir is None:
         return

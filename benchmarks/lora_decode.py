@@ -181,12 +181,7 @@ def print_results(model: str, rows: list[dict], engines: dict, args) -> None:
     for r in rows:
         if "skipped" in r:
             print(f"  skipped {r['mode']} adapters={r['adapters']} B={r['batch']}: {r['skipped']}")
-    for mode, info in engines.items():
-        extra = ""
-        if info["num_graphs"]:
-            extra = (f", {info['num_graphs']}/{info['num_buckets']} graphs up to batch {info['max_bucket']} "
-                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB")
-        print(f"engine {mode}: built in {info['build_seconds']:.1f} s{extra}")
+    bc.print_engines(engines, with_kv_blocks=False)
 
 
 def plot(model: str, rows: list[dict], args) -> None:
