@@ -1,6 +1,8 @@
 """Synthetic models for benchmarks: published configs with random weights, built on the device."""
 from __future__ import annotations
 
+import copy
+
 LLAMA_3_2_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
 
@@ -37,7 +39,7 @@ def synthetic_config(name: str):
 
     if name not in SYNTHETIC_CONFIGS:
         raise ValueError(f"unknown synthetic model {name!r}; known: {', '.join(SYNTHETIC_CONFIGS)}")
-    values = dict(SYNTHETIC_CONFIGS[name])
+    values = copy.deepcopy(SYNTHETIC_CONFIGS[name])  # transformers may edit nested dicts in place
     cls = Qwen2Config if values["architectures"][0] == "Qwen2ForCausalLM" else LlamaConfig
     config = cls(**values)
     config.architectures = values["architectures"]
