@@ -7,14 +7,10 @@ that the bytes do not stay in L2, and prints the time next to the bytes and
 FLOPs it must move and do, the floor (max of bytes / measured copy bandwidth
 and FLOPs / measured bf16 GEMM rate), the percentage of the floor, and the
 torch reference's time. Bytes: x rows and y rows (read + write) of tokens with
-an adapter, and the A and B rows of each used slot up to its rank. For
-T <= FUSED_DECODE_MAX_TOKENS lora_apply is the one-launch fused kernel; the
-three-launch path (split-K shrink + sum + expand) is timed beside it.
-`--fused-sweep` times fused kernel shapes per packed layer at decode T in a
-rank-64 buffer holding rank-16 adapters (the serving set-up).
+an adapter, and the A and B rows of each used slot up to its rank.
 Writes lora_kernels.json and lora_kernels.png to --out.
 
-    python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--fused-sweep] [--out DIR]
+    python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
 """
 import argparse
@@ -30,8 +26,6 @@ import triton
 import triton.language as tl
 
 from loraserve.kernels.lora_expand import ExpandConfig, lora_expand
-from loraserve.kernels.lora_fused_decode import (FUSED_DECODE_MAX_TOKENS, FusedConfig,
-                                                 lora_shrink_expand_decode)
 from loraserve.kernels.lora_meta import LoRAMetaBuilder
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink
@@ -140,16 +134,10 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
               for _ in range(sets)]
     idx = [i % sets for i in range(max(sets, 16))]
 
-    def op(kind, i, shrink_cfg=None, expand_cfg=None, fused_cfg=None):
+    def op(kind, i, shrink_cfg=None, expand_cfg=None):
         a, b = layer.weights[i]
         if kind == "apply":
             return lambda: lora_apply(xs[i], ys[i], a, b, slot_rank, meta, layer.offsets)
-        if kind == "three":
-            return lambda: lora_apply(xs[i], ys[i], a, b, slot_rank, meta, layer.offsets,
-                                      fused=False)
-        if kind == "fused":
-            return lambda: lora_shrink_expand_decode(xs[i], ys[i], a, b, slot_rank, meta,
-                                                     layer.offsets, fused_cfg)
         if kind == "shrink":
             return lambda: lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, inters[i],
                                        shrink_cfg)
@@ -158,8 +146,6 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
     result = dict(layer=layer.name, T=num_tokens, n=n, pop=pop, ranks=rank_key,
                   only_rank=only_rank, bytes=nbytes, flops=flops, sets=sets)
     result["us"] = graph_us([op("apply", i) for i in idx], reps)
-    result["three_us"] = (graph_us([op("three", i) for i in idx], reps)
-                          if num_tokens <= FUSED_DECODE_MAX_TOKENS else result["us"])
     result["shrink_us"] = graph_us([op("shrink", i) for i in idx], reps)
     result["expand_us"] = graph_us([op("expand", i) for i in idx], reps)
     a, b = layer.weights[0]
@@ -231,28 +217,6 @@ def sweep(layers, rng, reps):
     return rows
 
 
-FUSED_SWEEP = [FusedConfig(16, bn, bk, groups, nw, ns) for bn, bk, groups, nw, ns in [
-    (128, 256, 32, 4, 3), (128, 256, 16, 4, 3), (128, 256, 64, 4, 3), (128, 256, 128, 4, 3),
-    (128, 512, 32, 8, 3), (128, 128, 32, 4, 4), (64, 256, 64, 4, 3), (256, 256, 32, 8, 3)]]
-
-
-def fused_sweep(layers, rng, reps, bw):
-    """Fused decode shapes vs the three-launch path: rank-16 adapters in a rank-64 buffer."""
-    rows = []
-    for name in LAYERS:
-        for num_tokens in (1, 8, 64):
-            base, op, idx = run_case(layers(name, 64), num_tokens, BASE["n"], BASE["pop"], "16",
-                                     rng, reps)
-            floor = 1e6 * base["bytes"] / bw
-            for cfg in FUSED_SWEEP:
-                us = graph_us([op("fused", i, fused_cfg=cfg) for i in idx], reps)
-                rows.append(dict(layer=name, T=num_tokens, config=repr(cfg), us=us,
-                                 three_us=base["three_us"], byte_floor_us=floor))
-                print(f"fused {name:8s} T={num_tokens:3d} {us:7.2f} us  3-launch "
-                      f"{base['three_us']:7.2f} us  floor {floor:6.2f} us  {cfg}", flush=True)
-    return rows
-
-
 def mixed_vs_alone(layers, names, tokens, rng, reps):
     """Mixed ranks {8,16,32,64} in one launch vs the sum of each rank's slots alone."""
     rows = []
@@ -284,14 +248,12 @@ def add_floor(row, bw, rate):
 
 def print_row(r):
     print(f"{r['layer']:8s} {r['T']:5d} {r['n']:3d} {r['pop']:9s} {r['ranks']:5s} "
-          f"{r['us']:9.2f} {r['three_us']:8.2f} {r['shrink_us']:8.2f} {r['expand_us']:8.2f} "
-          f"{r['bytes'] / 1e6:9.3f} "
+          f"{r['us']:9.2f} {r['shrink_us']:8.2f} {r['expand_us']:8.2f} {r['bytes'] / 1e6:9.3f} "
           f"{r['flops'] / 1e6:9.1f} {r['floor_us']:8.2f} {r['pct_floor']:6.1f} "
           f"{r['ref_us']:9.1f} {r['speedup']:7.1f}")
 
 
-HEADER = (f"{'layer':8s} {'T':>5s} {'n':>3s} {'pop':9s} {'ranks':5s} {'us':>9s} {'3-launch':>8s} "
-          f"{'shrink':>8s} "
+HEADER = (f"{'layer':8s} {'T':>5s} {'n':>3s} {'pop':9s} {'ranks':5s} {'us':>9s} {'shrink':>8s} "
           f"{'expand':>8s} {'MB':>9s} {'MFLOP':>9s} {'floor':>8s} {'%floor':>6s} "
           f"{'ref_us':>9s} {'speedup':>7s}")
 
@@ -360,8 +322,6 @@ def main():
     size.add_argument("--quick", action="store_true", help="a short run: 2 layers, 3 token counts")
     size.add_argument("--full", action="store_true", help="every combination (long)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative kernel shapes")
-    parser.add_argument("--fused-sweep", action="store_true",
-                        help="time fused decode kernel shapes per packed layer (then stop)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")
     parser.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a JSON result")
@@ -390,11 +350,6 @@ def main():
     data = dict(device=props.name, date=datetime.date.today().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, bandwidth=bw, matmul=rate,
                 max_loras=MAX_LORAS, dtype=str(DTYPE), cases=[], mixed=[], sweep=[])
-    if args.fused_sweep:
-        data["fused_sweep"] = fused_sweep(layers, rng, args.reps, bw)
-        with open(os.path.join(args.out, "lora_fused_sweep.json"), "w") as f:
-            json.dump(data, f, indent=1)
-        return
     if args.sweep:
         data["sweep"] = sweep(layers, rng, args.reps)
     print(HEADER)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
-from loraserve.kernels.lora_fused_decode import FusedConfig, lora_shrink_expand_decode
 from loraserve.kernels.lora_meta import LoRAMetaBuilder
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
@@ -63,23 +62,17 @@ def offsets_of(slice_sizes):
 
 
 def make_case(seed, hidden, slice_sizes, rank_max, num_loras, num_tokens, kind, base_fraction,
-              dtype=torch.float32, device=DEVICE, max_tokens=None, ranks=None, adapters=None):
-    """Random weights, ranks (one slot may be empty), inputs and metadata for one test case.
-
-    ranks and adapters (the slots tokens are drawn from, in popularity order)
-    default to random ones.
-    """
+              dtype=torch.float32, device=DEVICE, max_tokens=None):
+    """Random weights, ranks (one slot may be empty), inputs and metadata for one test case."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    if ranks is None:
-        ranks = [int(r) for r in rng.integers(1, rank_max + 1, num_loras)]
-        ranks[0] = rank_max
-        if num_loras > 2:
-            ranks[-1] = 0
+    ranks = [int(r) for r in rng.integers(1, rank_max + 1, num_loras)]
+    ranks[0] = rank_max
+    if num_loras > 2:
+        ranks[-1] = 0
     a, b, slot_rank = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device,
                                    gen)
-    if adapters is None:
-        adapters = rng.permutation(num_loras)  # may include the empty slot
+    adapters = rng.permutation(num_loras)  # may include the empty slot
     slots = assign_slots(kind, num_tokens, adapters, base_fraction, rng)
     builder = LoRAMetaBuilder(max_tokens or num_tokens + 3, num_loras, device)
     meta = builder.build(slots)
@@ -178,58 +171,6 @@ def naive_lora(x, a, b, ranks, slots, offsets):
     return delta
 
 
-def run_fused_poisoned(case, config=None, margin=(3, 5)):
-    """Run the fused kernel on a column range of a wider y whose margins and untouched rows are NaN.
-
-    Returns (y before, y after) of the range; asserts margins and untouched rows stay NaN.
-    """
-    t, n_out = len(case["slots"]), case["offsets"][-1]
-    untouched = torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]])
-    wide = torch.randn(t, margin[0] + n_out + margin[1], generator=case["gen"])
-    wide[untouched] = float("nan")
-    wide[:, :margin[0]] = float("nan")
-    wide[:, margin[0] + n_out:] = float("nan")
-    wide = wide.to(case["x"].device, case["x"].dtype)
-    before = wide.clone()
-    y = wide[:, margin[0]:margin[0] + n_out]
-    lora_shrink_expand_decode(case["x"], y, case["a"], case["b"], case["slot_rank"], case["meta"],
-                              case["offsets"], config)
-    assert wide[:, :margin[0]].isnan().all() and wide[:, margin[0] + n_out:].isnan().all()
-    assert y[untouched.to(y.device)].isnan().all()
-    return before[:, margin[0]:margin[0] + n_out], y
-
-
-def check_fused_against_reference(case, before, y, rtol=1e-5, atol=1e-5):
-    """Rows with an adapter match lora_apply_ref applied to the same starting values."""
-    touched = torch.tensor([s >= 0 and case["ranks"][s] > 0 for s in case["slots"]])
-    touched = touched.to(y.device)
-    y_ref = before.clone()
-    lora_apply_ref(case["x"], y_ref, case["a"], case["b"], case["slot_rank"], case["meta"],
-                   case["offsets"])
-    torch.testing.assert_close(y[touched], y_ref[touched], rtol=rtol, atol=atol)
-
-
-TINY_FUSED = FusedConfig(16, 16, 32, 2)  # narrow tiles: column groups straddle slices
-FUSED_CASES = [
-    # hidden, slice sizes, R, ranks (0 = empty slot), T, popularity, base fraction, config
-    (64, (64,), 16, (16,), 1, "identical", 0.0, None),
-    (72, (40, 16, 16), 16, (16, 7, 0), 20, "uniform", 0.25, None),
-    (100, (100, 36), 64, (8, 24, 40, 64, 5, 0), 40, "distinct", 0.1, TINY_FUSED),
-    (64, (30, 34), 32, (32, 16, 3, 0), 26, "skewed", 0.2, TINY_FUSED),
-    (72, (24, 20, 20), 8, (8, 1), 17, "identical", 1.0, None),
-    (300, (40, 72), 16, (0, 16, 8, 12), 64, "uniform", 0.3, FusedConfig(16, 32, 64, 1)),
-]
-
-
-@pytest.mark.parametrize("index", range(len(FUSED_CASES)))
-def test_fused_decode_matches_reference(index):
-    hidden, sizes, rank_max, ranks, t, kind, base, config = FUSED_CASES[index]
-    case = make_case(300 + index, hidden, sizes, rank_max, len(ranks), t, kind, base,
-                     ranks=list(ranks))
-    before, y = run_fused_poisoned(case, config)
-    check_fused_against_reference(case, before, y)
-
-
 @pytest.mark.parametrize("kind", POPULARITY)
 def test_lora_apply_and_reference(kind, monkeypatch):
     case = make_case(7, 72, (40, 16, 16), 16, 4, 24, kind, 0.2, max_tokens=64)
@@ -244,10 +185,9 @@ def test_lora_apply_and_reference(kind, monkeypatch):
     lora_apply_ref(case["x"], y_ref, *args)
     torch.testing.assert_close(y_ref.cpu().double(), expected, rtol=1e-5, atol=1e-5)
 
-    for fused in (None, False):  # T=24: the fused kernel, then the two-kernel path
-        y_kernel = y0.clone()
-        lora_apply(case["x"], y_kernel, *args, fused=fused)
-        check_expand_result(case, y0, y_kernel, y_ref)
+    y_kernel = y0.clone()
+    lora_apply(case["x"], y_kernel, *args)
+    check_expand_result(case, y0, y_kernel, y_ref)
 
     if DEVICE == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "0")  # the engine's CPU path: the reference
@@ -300,10 +240,3 @@ def test_kernels_reject_bad_input():
         lora_expand(out, case["b"], case["slot_rank"], case["meta"], (0, 40, 30, 64), y)
     with pytest.raises(ValueError, match="lora_b"):
         lora_expand(out, case["b"], case["slot_rank"], case["meta"], (0, 32, 64), y.half())
-    fused_args = (case["a"], case["b"], case["slot_rank"], case["meta"])
-    with pytest.raises(ValueError, match="rise"):
-        lora_shrink_expand_decode(case["x"], y, *fused_args, (0, 40, 30, 64))
-    with pytest.raises(ValueError, match="dtypes"):
-        lora_shrink_expand_decode(case["x"], y.double(), *fused_args, (0, 32, 64))
-    with pytest.raises(ValueError, match="shapes"):
-        lora_shrink_expand_decode(case["x"][:, :32], y, *fused_args, (0, 32, 64))

@@ -1,30 +1,27 @@
 """LoRA delta of a packed linear layer: y += expand(shrink(x)), per token's adapter slot.
 
 `lora_apply` runs the Triton kernels on CUDA tensors (and on CPU tensors under
-TRITON_INTERPRET=1), otherwise the torch reference. The kernels are chosen by
-the static token count T alone, so a CUDA graph bucket always gets the same
-kernels. For T <= FUSED_DECODE_MAX_TOKENS (64) one fused kernel does shrink and
-expand in a single launch (lora_fused_decode). Larger T run two kernels: the
-shrink is decode-shaped (16-token tiles, K split up to 16 ways so
+TRITON_INTERPRET=1), otherwise the torch reference. The kernel shape is chosen
+by the static token count T alone, so a CUDA graph bucket always gets the same
+kernels: the shrink is decode-shaped (16-token tiles, K split up to 16 ways so
 that the few adapters' A rows are streamed by many programs) for
 T <= SHRINK_DECODE_MAX_TOKENS (256), the expand (16-token tiles) for
 T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the prefill shapes (larger
 tiles, little split; from T = 1024 each expand program walks 4 column tiles).
 Nothing here reads metadata on the host, syncs or allocates beyond the
-[T, S*R] float32 intermediate of the two-kernel path, so `lora_apply` can be captured in a CUDA graph.
+[T, S*R] float32 intermediate, so `lora_apply` can be captured in a CUDA graph.
 """
 import os
 
 import torch
 
 from loraserve.kernels.lora_expand import EXPAND_DECODE_MAX_TOKENS, lora_expand
-from loraserve.kernels.lora_fused_decode import FUSED_DECODE_MAX_TOKENS, lora_shrink_expand_decode
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, lora_shrink
 
-__all__ = ["EXPAND_DECODE_MAX_TOKENS", "FUSED_DECODE_MAX_TOKENS", "SHRINK_DECODE_MAX_TOKENS",
-           "lora_apply", "lora_apply_ref"]
+__all__ = ["EXPAND_DECODE_MAX_TOKENS", "SHRINK_DECODE_MAX_TOKENS", "lora_apply",
+           "lora_apply_ref"]
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -32,18 +29,10 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
-               fused: bool | None = None) -> None:
-    """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
-
-    fused: None picks by T (one fused launch for T <= FUSED_DECODE_MAX_TOKENS);
-    True / False force the fused or the two-kernel path (tests, benchmarks).
-    """
+               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+    """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R]."""
     if not _use_triton(x):
         lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
-        return
-    if fused if fused is not None else x.shape[0] <= FUSED_DECODE_MAX_TOKENS:
-        lora_shrink_expand_decode(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
         return
     num_slices = len(slice_offsets) - 1
     inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
