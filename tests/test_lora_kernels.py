@@ -171,9 +171,10 @@ def naive_lora(x, a, b, ranks, slots, offsets):
     return delta
 
 
-@pytest.mark.parametrize("kind", POPULARITY)
-def test_lora_apply_and_reference(kind, monkeypatch):
-    case = make_case(7, 72, (40, 16, 16), 16, 4, 24, kind, 0.2, max_tokens=64)
+@pytest.mark.parametrize("kind,hidden", [(kind, 72) for kind in POPULARITY] + [("skewed", 600)])
+def test_lora_apply_and_reference(kind, hidden, monkeypatch):
+    """hidden 600 splits the shrink's K three ways: the expand adds the partials."""
+    case = make_case(7, hidden, (40, 16, 16), 16, 4, 24, kind, 0.2, max_tokens=64)
     y0 = torch.randn(24, 72, generator=case["gen"]).to(DEVICE)
     args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
     a_clean = torch.nan_to_num(case["a"]).cpu()

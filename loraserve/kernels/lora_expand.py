@@ -46,9 +46,9 @@ def expand_config(num_tokens: int) -> ExpandConfig:
 
 @triton.jit
 def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                        stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
+                        stride_ip, stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
                         NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr):
+                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_PARTS: tl.constexpr):
     """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
 
     The caller guarantees rank % RANK_ALIGN == 0. Writing the rank mask's bound
@@ -65,8 +65,11 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
                 r_ok = offs_r < (rank // RANK_ALIGN) * RANK_ALIGN
                 b = tl.load(b_cols + offs_r[:, None] * stride_br,
                             mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
-                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+                a_ptrs = inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir
+                a_mask = tok_ok[:, None] & r_ok[None, :]
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
+                for part in tl.static_range(1, NUM_PARTS):  # split-K partials, added in a fixed order
+                    a += tl.load(a_ptrs + part * stride_ip, mask=a_mask, other=0.0)
                 acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
     return acc
 
@@ -75,8 +78,8 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
 def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
     num_tokens, n_out, rank_max, num_loras,
-    stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-    SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
+    stride_ip, stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+    SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -100,12 +103,12 @@ def _expand_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if rank % 8 == 0:
             acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                                      stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                      BLOCK_R, PRECISION, 8)
+                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                      BLOCK_R, PRECISION, 8, NUM_PARTS)
         else:
             acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                                      stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                      BLOCK_R, PRECISION, 1)
+                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                      BLOCK_R, PRECISION, 1, NUM_PARTS)
         tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + acc).to(old.dtype),
                  mask=mask)
 
@@ -114,6 +117,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
                 meta: LoRAMeta, slice_offsets: tuple[int, ...], y: torch.Tensor,
                 config: ExpandConfig | None = None) -> None:
     """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
+
+    inter may also be [P, T, S*R]: the shrink's split-K partial sums, added here
+    (in a fixed order) as they are loaded.
 
     slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.
     Rows of tokens without a slot are untouched. meta must have been built
@@ -129,9 +135,10 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
         raise ValueError(f"slice_offsets {offsets} must rise from 0 to N={n_out}")
     if b_rows != n_out:
         raise ValueError(f"lora_b has {b_rows} output rows but y has {n_out} columns")
-    if inter.shape != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
-        raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] float32, "
-                         f"got {list(inter.shape)} {inter.dtype}")
+    parts = inter.unsqueeze(0) if inter.dim() == 2 else inter  # [P, T, S*R]: P split-K partials to add
+    if parts.dim() != 3 or parts.shape[1:] != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
+        raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] or "
+                         f"[P, {num_tokens}, {num_slices * rank_max}] float32, got {list(inter.shape)} {inter.dtype}")
     if y.dtype != lora_b.dtype:
         raise ValueError(f"y is {y.dtype} but lora_b is {lora_b.dtype}")
     check_meta(meta, slot_rank, num_tokens, num_loras)
@@ -141,11 +148,11 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     grid = (triton.cdiv(triton.cdiv(n_out, cfg.block_n), cfg.col_tiles),
             triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
     _expand_kernel[grid](
-        inter, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
+        parts, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
         num_tokens, n_out, rank_max, num_loras,
-        inter.stride(0), inter.stride(1),
+        parts.stride(0), parts.stride(1), parts.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
+        SLICE_OFFSETS=offsets, NUM_SLICES=num_slices, NUM_PARTS=parts.shape[0],
         LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype),

@@ -9,7 +9,8 @@ T <= SHRINK_DECODE_MAX_TOKENS (256), the expand (16-token tiles) for
 T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the prefill shapes (larger
 tiles, little split; from T = 1024 each expand program walks 4 column tiles).
 Nothing here reads metadata on the host, syncs or allocates beyond the
-[T, S*R] float32 intermediate, so `lora_apply` can be captured in a CUDA graph.
+[P, T, S*R] float32 split-K partials (summed by the expand, so a layer costs two
+launches), so `lora_apply` can be captured in a CUDA graph.
 """
 import os
 
@@ -18,7 +19,7 @@ import torch
 from loraserve.kernels.lora_expand import EXPAND_DECODE_MAX_TOKENS, lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, lora_shrink
+from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, lora_shrink, shrink_splits
 
 __all__ = ["EXPAND_DECODE_MAX_TOKENS", "SHRINK_DECODE_MAX_TOKENS", "lora_apply",
            "lora_apply_ref"]
@@ -35,7 +36,10 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
         lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
         return
     num_slices = len(slice_offsets) - 1
-    inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+    num_tokens, sr = x.shape[0], lora_a.shape[1]
+    # inter: [P, T, S*R] split-K partials, summed by the expand: two launches per layer
+    inter = torch.empty(shrink_splits(num_tokens, x.shape[1], sr), num_tokens, sr, dtype=torch.float32,
+                        device=x.device)
     lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
     lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y)
 

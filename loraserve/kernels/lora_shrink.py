@@ -115,6 +115,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
                 config: ShrinkConfig | None = None) -> None:
     """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
 
+    With out: [P, T, S*R] (P = shrink_splits(...)) the split-K partial sums are
+    left in their slices for lora_expand to add up, which saves a launch.
+
     Defined on return: out[t, s*R + r] for every token t with a slot and
     r < slot_rank[slot] (what lora_expand reads). Other elements are
     unspecified (zero or untouched). meta must have been built from at most T
@@ -129,16 +132,21 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
         raise ValueError(f"lora_a's {sr} rows do not split into {num_slices} slices")
     if x.dtype != lora_a.dtype:
         raise ValueError(f"x is {x.dtype} but lora_a is {lora_a.dtype}")
-    if out.shape != (num_tokens, sr) or out.dtype != torch.float32:
-        raise ValueError(f"out must be [{num_tokens}, {sr}] float32, "
+    cfg = config or shrink_config(num_tokens, hidden, sr)
+    if out.dtype != torch.float32 or out.shape not in ((num_tokens, sr), (cfg.split_k, num_tokens, sr)):
+        raise ValueError(f"out must be [{num_tokens}, {sr}] or [{cfg.split_k}, {num_tokens}, {sr}] float32, "
                          f"got {list(out.shape)} {out.dtype}")
     check_meta(meta, slot_rank, num_tokens, num_loras)
-    cfg = config or shrink_config(num_tokens, hidden, sr)
     if num_tokens == 0:
         return
-    # partial: [split_k, T, S*R]; each split writes its own slice, summed below in a fixed order
-    partial = out.unsqueeze(0) if cfg.split_k == 1 else torch.empty(
-        cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
+    # partial: [split_k, T, S*R]; each split writes its own slice. Given a 2-D out, the slices are
+    # summed into it in a fixed order; given a 3-D out, lora_expand sums them as it reads them.
+    if out.dim() == 3:
+        partial = out
+    elif cfg.split_k == 1:
+        partial = out.unsqueeze(0)
+    else:
+        partial = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
     k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(sr, cfg.block_n) * cfg.split_k,
             triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
@@ -151,8 +159,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if cfg.split_k > 1:
+    if out.dim() == 2 and cfg.split_k > 1:
         torch.sum(partial, dim=0, out=out)
+
+
+def shrink_splits(num_tokens: int, hidden: int, sr: int) -> int:
+    """How many split-K partial slices the shrink writes for this static shape."""
+    return shrink_config(num_tokens, hidden, sr).split_k
 
 
 def loras_p2(num_loras: int) -> int:
