@@ -67,7 +67,7 @@ def test_kernels_match_reference_gpu(index, dtype):
 @pytest.mark.parametrize("num_tokens", [8, 300])
 def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
     """Capture shrink, expand and lora_apply once; then change everything they read."""
-    num_loras, rank_max, hidden, sizes = 6, 16, 256, (256, 64, 64)
+    num_loras, rank_max, hidden, sizes = 6, 16, 1024, (256, 64, 64)  # hidden 1024: a 4-way split-K shrink
     dtype, offsets, n_out = torch.bfloat16, offsets_of(sizes), sum(sizes)
     gen, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
     builder = LoRAMetaBuilder(num_tokens, num_loras, "cuda")
