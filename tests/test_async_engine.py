@@ -100,3 +100,45 @@ def test_shutdown_without_drain_fails_streams(llm):
         assert not llm.has_unfinished_requests()
 
     asyncio.run(main())
+
+
+def test_adapter_files_are_read_off_the_engine_thread(tiny_model_factory, tmp_path):
+    """Reading an adapter happens on a worker thread while the engine thread keeps stepping."""
+    import threading
+
+    from model_fixtures import make_lora_adapters
+    from loraserve.lora.request import LoRARequest
+
+    folder = tiny_model_factory("llama")
+    path = make_lora_adapters(folder, tmp_path, [{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}])[0]
+    engine_core = LLMEngine(folder, device="cpu", max_num_seqs=4, max_model_len=128, enable_lora=True,
+                            max_lora_rank=8)
+    load_threads, load_started, release = [], threading.Event(), threading.Event()
+    original = engine_core.load_lora_weights
+
+    def slow_load(request):
+        load_threads.append(threading.current_thread())
+        load_started.set()
+        release.wait(10)  # held until the test has seen the engine make progress meanwhile
+        return original(request)
+
+    engine_core.load_lora_weights = slow_load
+
+    async def main():
+        engine = AsyncLLMEngine(engine_core)
+        engine.start()
+        try:
+            adding = asyncio.ensure_future(engine.add_lora(LoRARequest("a", path)))
+            await asyncio.to_thread(load_started.wait, 10)
+            outs = [o async for o in engine.generate("r", "Hello", SamplingParams(max_tokens=3, temperature=0))]
+            assert outs[-1].finished  # decoded to the end while the adapter was still loading
+            assert not adding.done()
+            release.set()
+            await adding
+            assert await engine.list_loras() == ["a"]
+            assert load_threads[0] is not engine._thread
+        finally:
+            release.set()
+            engine.shutdown()
+
+    asyncio.run(main())

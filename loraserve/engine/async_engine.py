@@ -172,7 +172,13 @@ class AsyncLLMEngine:
             stream.abort()
 
     async def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
-        await self._call(lambda: self._engine.add_lora(lora_request, pinned=pinned))
+        """Read and validate the adapter on a worker thread, then register it on the engine thread,
+        so decoding does not stall while the files are read."""
+        known = await self._call(self._engine.list_loras)
+        loaded = None
+        if lora_request.name not in known and lora_request.path is not None:
+            loaded = await asyncio.to_thread(self._engine.load_lora_weights, lora_request)
+        await self._call(lambda: self._engine.add_lora(lora_request, pinned=pinned, loaded=loaded))
 
     async def remove_lora(self, name: str) -> None:
         await self._call(lambda: self._engine.remove_lora(name))

@@ -80,11 +80,20 @@ class LLMEngine:
         if self.lora_manager is None:
             raise InvalidRequestError(f"{what} needs LoRA support: start the engine with enable_lora=True")
 
-    def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
+    def load_lora_weights(self, lora_request: LoRARequest):
+        """Read and validate an adapter without touching engine state (safe on another thread);
+        pass the result to add_lora(..., loaded=...)."""
+        self._require_lora("load_lora_weights")
+        if lora_request.path is None:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.name!r} has no path")
+        return self.lora_manager.load(lora_request.name, lora_request.path)
+
+    def add_lora(self, lora_request: LoRARequest, pinned: bool = False, loaded=None) -> None:
+        """Register an adapter (validated now; LoRAAdapterError names the problem)."""
         self._require_lora("add_lora")
         if lora_request.path is None:
             raise InvalidRequestError(f"LoRA adapter {lora_request.name!r} has no path")
-        self.lora_manager.register(lora_request.name, lora_request.path, pinned)
+        self.lora_manager.register(lora_request.name, lora_request.path, pinned, loaded)
 
     def remove_lora(self, name: str) -> None:
         self._require_lora("remove_lora")

@@ -46,7 +46,10 @@ class LoRAManager:
         self._load_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     # -- registry ---------------------------------------------------------------
-    def register(self, name: str, path: str, pinned: bool = False) -> None:
+    def register(self, name: str, path: str, pinned: bool = False,
+                 loaded: tuple[LoRAAdapter, float] | None = None) -> None:
+        """Register `name` -> `path`, validating the adapter now. `loaded` is the result of `load`
+        run beforehand (off the engine thread, so that reading the files does not stall decoding)."""
         if name in self.paths:
             if self.paths[name] != path:
                 raise LoRAConflictError(f"LoRA adapter {name!r} is already registered with path {self.paths[name]!r}")
@@ -56,7 +59,9 @@ class LoRAManager:
                                           f"{self.config.max_loras - 1} adapters can be pinned")
             if name in self._retired:
                 raise LoRAConflictError(f"LoRA adapter {name!r} is being unloaded; retry when its requests finish")
-            self._cache_on_cpu(name, self._load_from_disk(name, path))
+            adapter, seconds = loaded if loaded is not None else self.load(name, path)
+            self.load_seconds.append(seconds)
+            self._cache_on_cpu(name, adapter)
             self.paths[name] = path
         if pinned and name not in self.pinned:
             self.pinned.add(name)
@@ -159,12 +164,15 @@ class LoRAManager:
             self._clear(slot)
 
     # -- CPU cache -----------------------------------------------------------------
-    def _load_from_disk(self, name: str, path: str) -> LoRAAdapter:
+    def load(self, name: str, path: str) -> tuple[LoRAAdapter, float]:
+        """Read, validate and convert an adapter (pinned on CUDA); returns it and the seconds it took.
+
+        Touches no manager state, so it may run on any thread.
+        """
         start = time.perf_counter()
         adapter = load_lora_adapter(name, path, self.spec, self.config.max_lora_rank)
         adapter = adapter.to(dtype=self.dtype, pin_memory=self.device.type == "cuda")
-        self.load_seconds.append(time.perf_counter() - start)
-        return adapter
+        return adapter, time.perf_counter() - start
 
     def _cache_on_cpu(self, name: str, adapter: LoRAAdapter) -> None:
         self._cpu[name] = adapter
@@ -179,7 +187,8 @@ class LoRAManager:
     def _cpu_adapter(self, name: str) -> LoRAAdapter:
         adapter = self._cpu.get(name)
         if adapter is None:
-            adapter = self._load_from_disk(name, self.paths.get(name) or self._retired[name])
+            adapter, seconds = self.load(name, self.paths.get(name) or self._retired[name])
+            self.load_seconds.append(seconds)
             self._cache_on_cpu(name, adapter)
         else:
             self._cpu.move_to_end(name)
