@@ -225,6 +225,28 @@ def time_decode_steps(engine, batch: int, warmup: int, steps: int) -> list[float
     return times
 
 
+def run_decode_case(engine, batch: int, context: int, adapters: list[str | None], args, bandwidth: float,
+                    extra_bytes: int = 0) -> dict:
+    """Time one decode case (args: warmup, steps, seed); the measured fields, or {"skipped": why}."""
+    why = decode_fits(engine, batch, context, args.warmup + args.steps)
+    if why is not None:
+        return {"skipped": why}
+    ids = start_decode_batch(engine, batch, context, args.warmup + args.steps + 1, adapters,
+                             seed=args.seed + batch)
+    try:
+        times = time_decode_steps(engine, batch, args.warmup, args.steps)
+    except torch.cuda.OutOfMemoryError:
+        return {"skipped": "out of memory"}
+    finally:
+        abort_all(engine, ids)
+    itl = statistics.median(times)
+    floor = decode_floor(engine, batch, context + args.warmup + (args.steps - 1) / 2, extra_bytes, bandwidth)
+    graphs = engine.runner.graph_runner
+    return dict(itl_s=itl, itl_min_s=min(times), tok_s=batch / itl,
+                used_graph=graphs is not None and graphs.can_run(batch), floor_ratio=itl / floor["floor_s"],
+                gb_s=floor["bytes"] / itl / 1e9, **floor)
+
+
 def abort_all(engine, request_ids: list[str]) -> None:
     for rid in request_ids:
         engine.abort_request(rid)

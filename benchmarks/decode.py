@@ -15,7 +15,6 @@ decode.json and decode.png to --out.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -63,29 +62,12 @@ def run_mode(args, mode: str, device: torch.device, bandwidth: float) -> tuple[d
                        gpu_memory_utilization=args.gpu_memory_utilization)
     info = bc.engine_info(engine, time.perf_counter() - t0)
     bc.fill_kv_random(engine)
-    graphs = engine.runner.graph_runner
     rows = []
     cases = [(c, b) for c in args.contexts for b in args.batch_sizes]
     for ctx, batch in tqdm(cases, desc=f"decode {mode}", unit="case", disable=None):
         row = {"mode": mode, "batch": batch, "context": ctx}
         rows.append(row)
-        why = bc.decode_fits(engine, batch, ctx, n_steps)
-        if why is not None:
-            row["skipped"] = why
-            continue
-        ids = bc.start_decode_batch(engine, batch, ctx, n_steps + 1, [], seed=args.seed + batch)
-        try:
-            times = bc.time_decode_steps(engine, batch, args.warmup, args.steps)
-        except torch.cuda.OutOfMemoryError:
-            row["skipped"] = "out of memory"
-            continue
-        finally:
-            bc.abort_all(engine, ids)
-        itl = statistics.median(times)
-        floor = bc.decode_floor(engine, batch, ctx + args.warmup + (args.steps - 1) / 2, 0, bandwidth)
-        row.update(itl_s=itl, itl_min_s=min(times), tok_s=batch / itl,
-                   used_graph=graphs is not None and graphs.can_run(batch), floor_ratio=itl / floor["floor_s"],
-                   gb_s=floor["bytes"] / itl / 1e9, **floor)
+        row.update(bc.run_decode_case(engine, batch, ctx, [], args, bandwidth))
     return info, rows
 
 

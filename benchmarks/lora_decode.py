@@ -18,7 +18,6 @@ targets. Writes lora_decode.json and lora_decode_<model>.png to --out.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
 
-import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import bench_common as bc  # noqa: E402
@@ -99,31 +97,16 @@ def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: di
     sets = args.adapter_sets if lora else ["base"]
     if lora:
         register_adapters(engine, sets, adapters, args.seed)
-    graphs = engine.runner.graph_runner
     rows = []
     cases = [(s, b) for s in sets for b in args.batch_sizes]
     for key, batch in tqdm(cases, desc=f"{model} {mode}", unit="case", disable=None):
         row = {"model": model, "mode": mode, "adapters": key, "batch": batch, "context": args.context}
         rows.append(row)
-        why = bc.decode_fits(engine, batch, args.context, n_steps)
-        if why is not None:
-            row["skipped"] = why
-            continue
         names = [name for name, _ in set_adapters(key)] if lora else []
-        ids = bc.start_decode_batch(engine, batch, args.context, n_steps + 1, names, seed=args.seed + batch)
-        try:
-            times = bc.time_decode_steps(engine, batch, args.warmup, args.steps)
-        except torch.cuda.OutOfMemoryError:
-            row["skipped"] = "out of memory"
-            continue
-        finally:
-            bc.abort_all(engine, ids)
-        itl = statistics.median(times)
         extra = sum(bc.adapter_bytes(adapters[n], engine.dtype) for n in names[:batch])
-        floor = bc.decode_floor(engine, batch, args.context + args.warmup + (args.steps - 1) / 2, extra, bandwidth)
-        row.update(itl_s=itl, itl_min_s=min(times), tok_s=batch / itl, distinct_adapters=len(names[:batch]),
-                   used_graph=graphs is not None and graphs.can_run(batch), floor_ratio=itl / floor["floor_s"],
-                   gb_s=floor["bytes"] / itl / 1e9, **floor)
+        row.update(bc.run_decode_case(engine, batch, args.context, names, args, bandwidth, extra))
+        if "itl_s" in row:
+            row["distinct_adapters"] = len(names[:batch])
     return info, rows
 
 
