@@ -179,3 +179,28 @@ def test_broken_adapters_are_refused_and_engine_keeps_serving(lora_setup, tmp_pa
     again = llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, LoRARequest("r4"))[0]
     assert again.outputs[0].token_ids == good.outputs[0].token_ids
     assert sorted(llm.list_loras()) == ["r4"]
+
+
+def test_adapter_broken_after_registration_fails_only_its_requests(lora_setup, tmp_path):
+    """Files removed while the adapter was out of both caches: its request ends with an error naming
+    the adapter; the base request in the same batch finishes normally; the engine keeps serving."""
+    import shutil
+
+    folder, adapters = lora_setup
+    moved = tmp_path / "r4-copy"
+    shutil.copytree(adapters["r4"], moved)
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=1, max_cpu_loras=1,
+              max_lora_rank=16)
+    llm.add_lora(LoRARequest("fragile", str(moved)))
+    llm.add_lora(LoRARequest("other", adapters["qv_only"]))  # evicts "fragile" from the CPU cache
+    base_alone = llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY)[0].outputs[0].token_ids
+    shutil.rmtree(moved)
+    outs = llm.generate([{"prompt_token_ids": [7, 8]}, {"prompt_token_ids": [4, 5, 6]}], GREEDY,
+                        lora_request=[LoRARequest("fragile"), None])
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    assert "fragile" in outs[0].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == base_alone
+    assert "fragile" not in llm.list_loras()
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert llm.generate({"prompt_token_ids": [4, 5]}, GREEDY, LoRARequest("other"))[0].error is None

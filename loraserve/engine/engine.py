@@ -13,6 +13,7 @@ from loraserve.engine.request import Sequence
 from loraserve.engine.scheduler import Scheduler
 from loraserve.engine.stats import EngineStats
 from loraserve.errors import InvalidRequestError, PromptTooLongError, UnknownLoRAError
+from loraserve.lora.adapter import LoRAAdapterError
 from loraserve.lora.request import LoRARequest
 from loraserve.models.loader import load_model
 from loraserve.outputs import CompletionOutput, RequestOutput
@@ -165,7 +166,10 @@ class LLMEngine:
         lora_slots: dict[str, int] = {}
         if self.lora_manager is not None:
             names = {s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None}
-            lora_slots = self.lora_manager.prepare_slots(names, self.scheduler.running_loras())
+            try:
+                lora_slots = self.lora_manager.prepare_slots(names, self.scheduler.running_loras())
+            except LoRAAdapterError as exc:
+                return self._fail_adapter(exc)
         sampled, result = self.runner.execute(out, lora_slots)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -176,6 +180,22 @@ class LLMEngine:
             outputs.append(self._make_output(seq))
             if seq.is_finished:
                 del self._requests[seq.request_id]
+        return outputs
+
+    def _fail_adapter(self, exc: LoRAAdapterError) -> list[RequestOutput]:
+        """An adapter broke after registration (its files changed while it was out of the caches):
+        finish its requests with the error, unregister it, and leave every other request running.
+        The step's other sequences keep their blocks and run in the next step."""
+        logger.error("%s; its requests fail, the engine goes on", exc)
+        failed = [seq for seq in self._requests.values() if seq.lora_name == exc.adapter]
+        outputs = []
+        for seq in failed:
+            seq.error = str(exc)
+            self._finish(seq, "abort")
+            outputs.append(self._make_output(seq))
+            del self._requests[seq.request_id]
+        if exc.adapter in self.lora_manager.paths:
+            self.lora_manager.unregister(exc.adapter)
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None) -> None:
