@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 import logging
 
-import torch
 
 from loraserve.config import CacheConfig, LoRAConfig, SchedulerConfig, resolve_device, resolve_dtype
 from loraserve.engine.block_manager import BlockManager
@@ -33,7 +32,6 @@ class LLMEngine:
                  cpu_kv_cache_gb: float = 2.0, num_gpu_blocks_override: int | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        torch.manual_seed(seed)
         loaded = load_model(model, self.device, self.dtype)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -51,7 +49,7 @@ class LLMEngine:
         self.lora_manager = None
         if self.lora_config is not None:
             self.lora_manager = self._make_lora_manager(loaded.model)
-        self.runner = ModelRunner(loaded.model, self.hf_config, self.device, self.dtype, self.cache_config,
+        self.runner = ModelRunner(loaded.model, self.device, self.dtype, self.cache_config,
                                   self.scheduler_config, seed, max_loras if enable_lora else 0, enforce_eager,
                                   self.lora_manager.layers if self.lora_manager else None)
         self.block_manager = BlockManager(self.runner.num_blocks, block_size)

@@ -38,7 +38,7 @@ class StepInputs:
 class ModelRunner:
     """Owns the model's device state: KV cache, sampler, LoRA step metadata, CUDA graphs."""
 
-    def __init__(self, model, hf_config, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
+    def __init__(self, model, device: torch.device, dtype: torch.dtype, cache_config: CacheConfig,
                  scheduler_config: SchedulerConfig, seed: int, max_loras: int = 0, enforce_eager: bool = False,
                  lora_layers: list | None = None):
         self.model = model
