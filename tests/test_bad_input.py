@@ -97,3 +97,12 @@ def test_unsupported_architecture(tiny_model_factory, tmp_path):
 def test_max_model_len_above_model_limit(tiny_model_factory):
     with pytest.raises(ValueError, match="max_position_embeddings"):
         LLM(tiny_model_factory("llama"), device="cpu", max_model_len=10**6)
+
+
+def test_mistral_sliding_window_caps_max_model_len(tiny_model_factory):
+    """Sliding-window attention is not implemented: the window bounds max_model_len instead of
+    silently attending past it."""
+    folder = tiny_model_factory("mistral", sliding_window=64)
+    assert LLM(folder, device="cpu").engine.max_model_len == 64
+    with pytest.raises(ValueError, match="sliding attention window 64"):
+        LLM(folder, device="cpu", max_model_len=128)

@@ -14,6 +14,7 @@ from loraserve.engine.stats import EngineStats
 from loraserve.errors import InvalidRequestError, PromptTooLongError, UnknownLoRAError
 from loraserve.lora.adapter import LoRAAdapterError
 from loraserve.lora.request import LoRARequest
+from loraserve.models.llama import attention_window
 from loraserve.models.loader import load_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -32,6 +33,9 @@ class LLMEngine:
                  cpu_kv_cache_gb: float = 2.0, num_gpu_blocks_override: int | None = None):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        # settings that don't depend on the model are checked before the (slow) load
+        self.cache_config = CacheConfig(block_size, gpu_memory_utilization, cpu_kv_cache_gb, num_gpu_blocks_override)
+        self.lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         loaded = load_model(model, self.device, self.dtype)
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -40,12 +44,16 @@ class LLMEngine:
         model_limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
         if max_model_len is not None and max_model_len > model_limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_limit}")
+        window = attention_window(self.hf_config)
+        if window is not None:
+            if max_model_len is not None and max_model_len > window:
+                raise ValueError(f"max_model_len {max_model_len} exceeds the model's sliding attention window "
+                                 f"{window}, which loraserve does not implement yet")
+            model_limit = min(model_limit, window)
         self.max_model_len = max_model_len or min(model_limit, 8192)
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048 if self.device.type == "cpu" else 8192, max_num_seqs)
         self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        self.cache_config = CacheConfig(block_size, gpu_memory_utilization, cpu_kv_cache_gb, num_gpu_blocks_override)
-        self.lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
         self.lora_manager = None
         if self.lora_config is not None:
             self.lora_manager = self._make_lora_manager(loaded.model)

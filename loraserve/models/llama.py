@@ -123,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: the Llama decoder (sliding-window attention is not applied; contexts up to the window match)."""
+    """Mistral: the Llama decoder. Sliding-window attention is not implemented, so the engine caps
+    max_model_len at the window (`attention_window`), where full attention is the same thing."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
@@ -140,3 +141,11 @@ def rope_settings(config) -> tuple[float, dict | None]:
     if scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     return float(theta), scaling
+
+
+def attention_window(config) -> int | None:
+    """The sliding attention window the config asks for, or None for full attention."""
+    if getattr(config, "use_sliding_window", True) is False:  # Qwen2 carries a window it does not use
+        return None
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
