@@ -107,7 +107,7 @@ class LLMEngine:
         self.lora_manager.unregister(name)
 
     def list_loras(self) -> list[str]:
-        return self.lora_manager.list() if self.lora_manager else []
+        return self.lora_manager.registered() if self.lora_manager else []
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,

@@ -87,7 +87,7 @@ class LoRAManager:
         else:
             self._drop(name)
 
-    def list(self) -> list[str]:
+    def registered(self) -> list[str]:
         return list(self.paths)
 
     def check_known(self, name: str) -> None:
