@@ -204,3 +204,23 @@ def test_adapter_broken_after_registration_fails_only_its_requests(lora_setup, t
     engine = llm.engine
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     assert llm.generate({"prompt_token_ids": [4, 5]}, GREEDY, LoRARequest("other"))[0].error is None
+
+
+def test_pinning_never_takes_a_slot_in_use_and_respects_the_limit(lora_setup):
+    from loraserve.errors import InvalidRequestError
+
+    folder, adapters = lora_setup
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    engine, manager = llm.engine, llm.engine.lora_manager
+    engine.add_request("a", [4, 5, 6], GREEDY, LoRARequest("r4", adapters["r4"]))
+    engine.add_request("b", [4, 5, 6], GREEDY, LoRARequest("qv", adapters["qv_only"]))
+    engine.step()  # both adapters now sit in the two slots with requests in flight
+    with pytest.raises(InvalidRequestError, match="in flight"):
+        llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)
+    assert set(manager.resident_on_gpu) == {"r4", "qv"} and not manager.pinned
+    while engine.has_unfinished_requests():
+        engine.step()
+    llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)  # now a slot is free to take
+    assert "p" in manager.resident_on_gpu and manager.pinned == {"p"}
+    with pytest.raises(InvalidRequestError, match="max_loras - 1"):
+        llm.add_lora(LoRARequest("r4", adapters["r4"]), pinned=True)  # already registered: still limited

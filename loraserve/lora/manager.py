@@ -54,28 +54,48 @@ class LoRAManager:
             if self.paths[name] != path:
                 raise LoRAConflictError(f"LoRA adapter {name!r} is already registered with path {self.paths[name]!r}")
         else:
-            if pinned and len(self.pinned) + 1 >= self.config.max_loras:
-                raise InvalidRequestError(f"can't pin LoRA adapter {name!r}: at most max_loras - 1 = "
-                                          f"{self.config.max_loras - 1} adapters can be pinned")
-            if name in self._retired:
-                raise LoRAConflictError(f"LoRA adapter {name!r} is being unloaded; retry when its requests finish")
+            self._check_new(name, pinned)
             adapter, seconds = loaded if loaded is not None else self.load(name, path)
             self.load_seconds.append(seconds)
             self._cache_on_cpu(name, adapter)
             self.paths[name] = path
-        if pinned and name not in self.pinned:
-            self.pinned.add(name)
-            self._ensure_slot(name, protected=set())
+        if pinned:
+            self._pin(name)
 
     def register_adapter(self, name: str, adapter: LoRAAdapter, pinned: bool = False) -> None:
         """Register an adapter built in memory (benchmarks, tests); it stays in the CPU cache."""
         if name in self.paths:
             raise LoRAConflictError(f"LoRA adapter {name!r} is already registered")
+        self._check_new(name, pinned)
         self._cache_on_cpu(name, adapter.to(dtype=self.dtype, pin_memory=self.device.type == "cuda"))
         self.paths[name] = IN_MEMORY
         if pinned:
-            self.pinned.add(name)
-            self._ensure_slot(name, protected=set())
+            self._pin(name)
+
+    def _check_new(self, name: str, pinned: bool) -> None:
+        """Refuse a new registration before any work: a name still being unloaded, or no room to pin."""
+        if name in self._retired:
+            raise LoRAConflictError(f"LoRA adapter {name!r} is being unloaded; retry when its requests finish")
+        if pinned:
+            self._check_pin_room(name)
+
+    def _check_pin_room(self, name: str) -> None:
+        """At most max_loras - 1 pinned adapters, so one slot always rotates."""
+        if len(self.pinned) + 1 >= self.config.max_loras:
+            raise InvalidRequestError(f"can't pin LoRA adapter {name!r}: at most max_loras - 1 = "
+                                      f"{self.config.max_loras - 1} adapters can be pinned")
+
+    def _pin(self, name: str) -> None:
+        """Give `name` a slot for good. Never takes the slot of an adapter with requests in flight."""
+        if name in self.pinned:
+            return
+        self._check_pin_room(name)
+        try:
+            self._ensure_slot(name, protected=set(self.refcounts) | self.pinned)
+        except RuntimeError as exc:
+            raise InvalidRequestError(f"can't pin LoRA adapter {name!r} now: every GPU slot holds an adapter "
+                                      "with requests in flight; retry when they finish") from exc
+        self.pinned.add(name)
 
     def unregister(self, name: str) -> None:
         if name not in self.paths:
