@@ -118,6 +118,8 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
                 config: ExpandConfig | None = None) -> None:
     """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
 
+    y has B's dtype, or float32 (a separate LoRA delta that a later kernel adds to the base output).
+
     inter may also be [P, T, S*R]: the shrink's split-K partial sums, added here
     (in a fixed order) as they are loaded.
 
@@ -139,8 +141,8 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     if parts.dim() != 3 or parts.shape[1:] != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
         raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] or "
                          f"[P, {num_tokens}, {num_slices * rank_max}] float32, got {list(inter.shape)} {inter.dtype}")
-    if y.dtype != lora_b.dtype:
-        raise ValueError(f"y is {y.dtype} but lora_b is {lora_b.dtype}")
+    if y.dtype not in (lora_b.dtype, torch.float32):
+        raise ValueError(f"y is {y.dtype} but lora_b is {lora_b.dtype} (y may also be float32)")
     check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
