@@ -157,6 +157,7 @@ def engine_info(engine, build_seconds: float) -> dict:
             "weight_bytes": weight_bytes(engine.runner.model), "kv_bytes_per_token": kv_bytes_per_token(engine),
             "num_buckets": len(graphs.buckets) if graphs else 0, "num_graphs": len(graphs.graphs) if graphs else 0,
             "max_bucket": graphs.buckets[-1] if graphs else 0,
+            "warmup_seconds": graphs.warmup_seconds if graphs else None,
             "capture_seconds": graphs.capture_seconds if graphs else None,
             "graph_memory_bytes": graphs.graph_memory_bytes if graphs else None}
 
@@ -298,7 +299,8 @@ def print_engines(engines: dict[str, dict], with_kv_blocks: bool) -> None:
         extra = ""
         if info["num_graphs"]:
             extra = (f", {info['num_graphs']}/{info['num_buckets']} graphs up to batch {info['max_bucket']} "
-                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB")
+                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB "
+                     f"(after {info['warmup_seconds']:.1f} s of warm-up forwards that compile the kernels)")
         print(f"engine {mode}: built in {info['build_seconds']:.1f} s{blocks}{extra}")
 
 

@@ -148,6 +148,9 @@ def make_checks(model: str, rows: list[dict], engines: dict) -> list[bc.Check]:
                            with_lora["num_graphs"] == base["num_graphs"]))
     checks.append(check("capture time with / without LoRA", with_lora["capture_seconds"], base["capture_seconds"],
                         1.3, le=True))
+    checks.append(check("warm-up (kernel compilation) + capture time with / without LoRA",
+                        with_lora["warmup_seconds"] + with_lora["capture_seconds"],
+                        base["warmup_seconds"] + base["capture_seconds"], 1.3, le=True))
     checks.append(check("graph memory with / without LoRA", with_lora["graph_memory_bytes"],
                         max(base["graph_memory_bytes"], 1), 1.3, le=True))
     return checks

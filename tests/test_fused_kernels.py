@@ -151,3 +151,58 @@ def test_rotary_and_cache_kernel(num_heads, num_kv_heads, head_dim):
     for got, want in ((got_kc, want_kc), (got_vc, want_vc)):  # slots no token maps to stay NaN
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_refs_add_lora_delta_first():
+    """A float32 delta is the projection's LoRA product: round(input + delta), then the op as before."""
+    gen = torch.Generator().manual_seed(5)
+    dtype = torch.bfloat16
+    x, residual = rand(4, 72, dtype=dtype, gen=gen), rand(4, 72, dtype=dtype, gen=gen)
+    delta = 0.3 * rand(4, 72, gen=gen)
+    merged = (x.float() + delta).to(dtype)
+    weight = make_weight(72, dtype, gen)
+    got, got_res = rms_norm_ref(x, weight, EPS, residual, delta)
+    want, want_res = rms_norm_ref(merged, weight, EPS, residual)
+    assert torch.equal(got, want) and torch.equal(got_res, want_res)
+    assert not torch.equal(got, rms_norm_ref(x, weight, EPS, residual)[0])
+    gate_up, gu_delta = rand(4, 80, dtype=dtype, gen=gen), rand(4, 80, gen=gen)
+    assert torch.equal(silu_and_mul_ref(gate_up, gu_delta),
+                       silu_and_mul_ref((gate_up.float() + gu_delta).to(dtype)))
+    rotary = make_rotary(16, 64)
+    q, k, v = qkv_views(4, 4, 2, 16, dtype, gen)
+    deltas = tuple(rand(*t.shape, gen=gen) for t in (q, k, v))
+    positions = torch.randint(0, 64, (4,), generator=gen).to(DEVICE)
+    slots = torch.randperm(12, generator=gen)[:4].to(DEVICE)
+    got_c, want_c = make_caches(3, 4, 2, 16, dtype), make_caches(3, 4, 2, 16, dtype)
+    got_q = rotary_and_cache_ref(q, k, v, positions, rotary.cos_sin, *got_c, slots, deltas)
+    merged_qkv = [(t.float() + d).to(dtype) for t, d in zip((q, k, v), deltas)]
+    want_q = rotary_and_cache_ref(*merged_qkv, positions, rotary.cos_sin, *want_c, slots)
+    assert torch.equal(got_q, want_q)
+    for got, want in zip(got_c, want_c):
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+def test_kernels_with_lora_delta():
+    """The kernels' delta inputs (strided float32 views, as the model passes them) match the references."""
+    gen = torch.Generator().manual_seed(6)
+    x, residual, weight = rand(3, 72, gen=gen), rand(3, 72, gen=gen), make_weight(72, torch.float32, gen)
+    delta = rand(3, 80, gen=gen)[:, :72]
+    out, new_res = rms_norm(x, weight, EPS, residual, delta)
+    want, want_res = rms_norm_ref(x, weight, EPS, residual, delta)
+    torch.testing.assert_close(out, want, rtol=2e-6, atol=1e-6)
+    assert torch.equal(new_res, want_res)
+    gate_up, gu_delta = rand(3, 80, gen=gen), rand(3, 96, gen=gen)[:, :80]
+    torch.testing.assert_close(silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta),
+                               rtol=2e-6, atol=1e-6)
+    rotary = make_rotary(16, 128)
+    q, k, v = qkv_views(5, 4, 2, 16, torch.float32, gen)
+    dq, dk, dv = qkv_views(5, 4, 2, 16, torch.float32, gen)
+    positions = torch.randint(0, 128, (5,), generator=gen).to(DEVICE)
+    slots = torch.randperm(16, generator=gen)[:5].to(DEVICE)
+    want_c, got_c = make_caches(4, 4, 2, 16, torch.float32), make_caches(4, 4, 2, 16, torch.float32)
+    want_q = rotary_and_cache_ref(q, k, v, positions, rotary.cos_sin, *want_c, slots, (dq, dk, dv))
+    got_q = rotary_and_cache(q, k, v, positions, rotary.cos_sin, *got_c, slots, (dq, dk, dv))
+    assert torch.equal(got_q, want_q)
+    for got, want in zip(got_c, want_c):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.nan_to_num(), want.nan_to_num())

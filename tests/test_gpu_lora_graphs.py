@@ -84,6 +84,28 @@ def test_graph_equals_eager_for_every_bucket_and_adapter_mix(setup):
                     assert row_diff <= 1e-2 * scale
 
 
+def test_side_stream_delta_equals_in_place_lora(setup):
+    """LoRA products on the side stream, added by the next kernel, give the bits of adding them in place."""
+    _, _, llm = setup
+    runner = llm.engine.runner
+    runner_slots = llm.engine.lora_manager.prepare_slots({"a0", "a1", "a3"}, set())
+    assert runner.lora_stream is not None
+    n = 9
+    token_slots = np.array([-1, runner_slots["a0"], runner_slots["a1"], runner_slots["a3"]] * 3)[:n]
+    dev = torch.device("cuda")
+    ids = torch.arange(3, 3 + n, device=dev)
+    positions = torch.zeros(n, dtype=torch.long, device=dev)
+    tables = torch.arange(n, dtype=torch.int32, device=dev).view(n, 1)
+    attn = AttentionMetadata(tables.view(-1).long() * runner.block_size, tables, torch.ones(n, dtype=torch.int32,
+                             device=dev), torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
+    outs = []
+    with torch.inference_mode():
+        for stream in (runner.lora_stream, None):
+            meta = runner.lora_meta_builder.build(token_slots)
+            outs.append(runner.model(ids, positions, ForwardContext(attn, meta, stream)).clone())
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_adapter_loaded_or_replaced_after_capture_takes_effect(setup, tmp_path_factory):
     folder, _, llm = setup
     manager = llm.engine.lora_manager

@@ -4,6 +4,11 @@
 - ``silu_and_mul``: ``silu(gate) * up`` on the packed gate/up output;
 - ``rotary_and_cache``: rotate-half rotary on q and k, plus the K/V cache write.
 
+Each takes an optional float32 LoRA delta of its input (the output of the
+projection before it, computed on a side stream, see lora/layers.py): the
+input becomes ``round(input + delta)`` to the model dtype, exactly what adding
+the LoRA product into the projection's output in place gives.
+
 Semantics match ``fused_reference`` (see each function for the rounding).
 Inputs may be strided views whose last dim is contiguous; outputs are new
 ``torch.empty`` tensors, so every function can be captured in a CUDA graph.
@@ -21,18 +26,22 @@ _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_res, stride_out, stride_res_out,
+    x_ptr, delta_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    stride_x, stride_delta, stride_res, stride_out, stride_res_out,
     dim, inv_dim, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    """One program per row: s = x (+ residual, rounded), out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
+    """One program per row: x (+ delta, rounded), s = x (+ residual, rounded),
+    out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_D]
     dtype = x.dtype
     xf = x.to(tl.float32)
+    if HAS_DELTA:
+        d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)  # [BLOCK_D] fp32
+        xf = (xf + d).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         s = (xf + r).to(dtype)
@@ -49,6 +58,7 @@ def rms_norm(
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, D]
+    x_delta: torch.Tensor | None = None,  # [T, D] float32
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
 
@@ -64,6 +74,8 @@ def rms_norm(
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape == (dim,)
     out = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = None
+    if x_delta is not None:
+        assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype == torch.float32
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
         res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
@@ -73,26 +85,33 @@ def rms_norm(
     num_warps = 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
     res_in = x if residual is None else residual
     res_dst = out if res_out is None else res_out
+    delta = x if x_delta is None else x_delta
     _rms_norm_kernel[(num_tokens,)](
-        x, res_in, weight, out, res_dst,
-        x.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
+        x, delta, res_in, weight, out, res_dst,
+        x.stride(0), delta.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
         dim, 1.0 / dim, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
+        HAS_DELTA=x_delta is not None, HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
     )
     return out, res_out
 
 
 @triton.jit
 def _silu_and_mul_kernel(
-    in_ptr, out_ptr, stride_in, stride_out, inter,
-    BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+    in_ptr, delta_ptr, out_ptr, stride_in, stride_delta, stride_out, inter,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
 ):
-    """Program (row, block): out[row, cols] = round(round(silu(gate)) * up), silu in fp32."""
+    """Program (row, block): out[row, cols] = round(round(silu(gate)) * up), silu in fp32
+    (gate and up first rounded with their delta added)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0)  # [BLOCK]
     up = tl.load(in_ptr + row * stride_in + inter + cols, mask=mask, other=0.0)
+    if HAS_DELTA:
+        d_gate = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)  # [BLOCK] fp32
+        d_up = tl.load(delta_ptr + row * stride_delta + inter + cols, mask=mask, other=0.0)
+        gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
+        up = (up.to(tl.float32) + d_up).to(up.dtype)
     g = gate.to(tl.float32)
     if LIBDEVICE_EXP:  # CUDA's expf, as torch's silu uses
         e = libdevice.exp(-g)
@@ -103,8 +122,8 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, 2I] (+ delta [T, 2I] float32) -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
 
     silu is ``g / (1 + exp(-g))`` in fp32 (IEEE division, CUDA's ``expf`` via
     libdevice, as torch computes it) rounded to the input dtype, then the
@@ -113,28 +132,37 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """
     num_tokens, two_inter = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
+    if delta is not None:
+        assert delta.shape == gate_up.shape and delta.stride(-1) == 1 and delta.dtype == torch.float32
     inter = two_inter // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0:
         return out
     grid = (num_tokens, triton.cdiv(inter, _SILU_BLOCK))
-    _silu_and_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                               BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
+    d = gate_up if delta is None else delta
+    _silu_and_mul_kernel[grid](gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
+                               HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
                                enable_fp_fusion=False)
     return out
 
 
 @triton.jit
 def _rotate_heads(
-    src_ptr, stride_src_h, dst_ptr, stride_dst_h,  # base pointers at this token
+    src_ptr, stride_src_h, delta_ptr, stride_delta_h, dst_ptr, stride_dst_h,  # base pointers at this token
     heads, head_mask, d, d_mask, cos, sin, half,  # heads: [HB]; d: [BLOCK_HALF]; cos, sin: [BLOCK_HALF] fp32
+    HAS_DELTA: tl.constexpr,
 ):
-    """dst[h] = [x1*c - x2*s, x2*c + x1*s] for heads ``heads``; each product and sum rounds to src's dtype."""
+    """dst[h] = [x1*c - x2*s, x2*c + x1*s] for heads ``heads``; each product and sum rounds to src's dtype.
+    With a delta, x = round(src + delta) first."""
     mask = head_mask[:, None] & d_mask[None, :]
     src = src_ptr + heads[:, None] * stride_src_h + d[None, :]  # [HB, BLOCK_HALF]
     x1 = tl.load(src, mask=mask, other=0.0)
     x2 = tl.load(src + half, mask=mask, other=0.0)
     dtype = x1.dtype
+    if HAS_DELTA:
+        dsrc = delta_ptr + heads[:, None] * stride_delta_h + d[None, :]  # [HB, BLOCK_HALF] fp32
+        x1 = (x1.to(tl.float32) + tl.load(dsrc, mask=mask, other=0.0)).to(dtype)
+        x2 = (x2.to(tl.float32) + tl.load(dsrc + half, mask=mask, other=0.0)).to(dtype)
     c = cos.to(dtype).to(tl.float32)[None, :]
     s = sin.to(dtype).to(tl.float32)[None, :]
     x1 = x1.to(tl.float32)
@@ -149,12 +177,14 @@ def _rotate_heads(
 
 @triton.jit
 def _rotary_and_cache_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
+    q_ptr, k_ptr, v_ptr, dq_ptr, dk_ptr, dv_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_out_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_cs,
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_qot, stride_qoh,
     num_heads, num_kv_heads, block_size, half,
-    HB: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HB: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """Program (token, group): groups < cdiv(H, HB) rotate q heads; the rest rotate k and copy v to the cache."""
     t = tl.program_id(0).to(tl.int64)
@@ -167,19 +197,24 @@ def _rotary_and_cache_kernel(
     sin = tl.load(cos_sin_ptr + pos * stride_cs + half + d, mask=d_mask, other=0.0)
     if group < num_q_groups:
         heads = group * HB + tl.arange(0, HB)
-        _rotate_heads(q_ptr + t * stride_qt, stride_qh, q_out_ptr + t * stride_qot, stride_qoh,
-                      heads, heads < num_heads, d, d_mask, cos, sin, half)
+        _rotate_heads(q_ptr + t * stride_qt, stride_qh, dq_ptr + t * stride_dqt, stride_dqh,
+                      q_out_ptr + t * stride_qot, stride_qoh, heads, heads < num_heads, d, d_mask, cos, sin, half,
+                      HAS_DELTA)
     else:
         heads = (group - num_q_groups) * HB + tl.arange(0, HB)
         head_mask = heads < num_kv_heads
         slot = tl.load(slot_ptr + t).to(tl.int64)
         blk = slot // block_size
         off = slot % block_size
-        _rotate_heads(k_ptr + t * stride_kt, stride_kh, k_cache_ptr + blk * stride_kcb + off * stride_kcs,
-                      stride_kch, heads, head_mask, d, d_mask, cos, sin, half)
+        _rotate_heads(k_ptr + t * stride_kt, stride_kh, dk_ptr + t * stride_dkt, stride_dkh,
+                      k_cache_ptr + blk * stride_kcb + off * stride_kcs, stride_kch,
+                      heads, head_mask, d, d_mask, cos, sin, half, HAS_DELTA)
         cols = tl.arange(0, 2 * BLOCK_HALF)
         mask = head_mask[:, None] & (cols < 2 * half)[None, :]
         v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)  # [HB, 2*BH]
+        if HAS_DELTA:
+            dv = tl.load(dv_ptr + t * stride_dvt + heads[:, None] * stride_dvh + cols[None, :], mask=mask)
+            v = (v.to(tl.float32) + dv).to(v.dtype)
         v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + cols[None, :]
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -193,6 +228,7 @@ def rotary_and_cache(
     k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     slot_mapping: torch.Tensor,  # [T] int64, every entry a valid slot
+    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # float32, shaped as q, k, v
 ) -> torch.Tensor:  # [T, H, hd] rotated q (new contiguous tensor, dtype of q)
     """Rotary on q and k, rotated k and plain v written to the caches, in one launch; see ``rotary_and_cache_ref``.
 
@@ -210,6 +246,11 @@ def rotary_and_cache(
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos_sin.stride(-1) == 1
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos_sin.dtype == torch.float32
+    dq, dk, dv = (q, k, v) if qkv_delta is None else qkv_delta
+    if qkv_delta is not None:
+        assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+        assert dq.stride(-1) == dk.stride(-1) == dv.stride(-1) == 1
+        assert dq.dtype == dk.dtype == dv.dtype == torch.float32
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
@@ -218,12 +259,13 @@ def rotary_and_cache(
     hb = max(1, min(_ROTARY_TILE // block_half, triton.next_power_of_2(max(num_heads, num_kv_heads))))
     grid = (num_tokens, triton.cdiv(num_heads, hb) + triton.cdiv(num_kv_heads, hb))
     _rotary_and_cache_kernel[grid](
-        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
+        q, k, v, dq, dk, dv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), cos_sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         q_out.stride(0), q_out.stride(1),
         num_heads, num_kv_heads, k_cache.shape[1], half,
-        HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
+        HAS_DELTA=qkv_delta is not None, HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
     )
     return q_out

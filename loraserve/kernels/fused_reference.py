@@ -2,7 +2,9 @@
 
 They are the engine's CPU path and the kernels' test oracles. Every op rounds
 to the model dtype exactly where the HF Llama code does, so in bf16/fp16 they
-reproduce HF bit for bit.
+reproduce HF bit for bit. The optional float32 deltas (a projection's LoRA
+product, computed apart from it) are added to the input first and rounded to
+its dtype, as adding them in place into the projection's output would.
 """
 import torch
 import torch.nn.functional as F
@@ -13,12 +15,14 @@ def rms_norm_ref(
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, D]
+    x_delta: torch.Tensor | None = None,  # [T, D] float32
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(RMSNorm(s), s or None) with ``s = x + residual`` rounded to ``x.dtype`` (``s = x`` without residual).
 
     RMSNorm as HF: ``w * (sf * rsqrt(mean(sf^2) + eps)).to(dtype)``, ``sf = s.float()``;
     the output dtype is the promotion of x's and weight's dtypes.
     """
+    x = with_delta(x, x_delta)
     s = x if residual is None else (x + residual).to(x.dtype)  # [T, D]
     sf = s.float()
     normed = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + eps)  # [T, D] fp32
@@ -26,9 +30,15 @@ def rms_norm_ref(
     return out, (None if residual is None else s)
 
 
-def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: ``silu(gate) * up`` in the input dtype (gate: the first I columns)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+def with_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+    """round(x + delta) to x's dtype, or x itself without a delta."""
+    return x if delta is None else (x.float() + delta).to(x.dtype)
+
+
+def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, 2I] (+ delta [T, 2I] float32) -> [T, I]: ``silu(gate) * up`` in the input dtype (gate: the first I
+    columns)."""
+    gate, up = with_delta(gate_up, delta).chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
@@ -41,12 +51,15 @@ def rotary_and_cache_ref(
     k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     slot_mapping: torch.Tensor,  # [T] int, every entry a valid slot
+    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # float32, shaped as q, k, v
 ) -> torch.Tensor:  # [T, H, hd] rotated q, dtype of q
     """Rotate-half (NeoX) rotary on q and k, rotated k and plain v stored at ``slot_mapping``.
 
     cos/sin are cast to the model dtype first; each product and the sum round
     to the model dtype (``x1*c - x2*s`` has the bits of HF's ``x*cos + rotate_half(x)*sin``).
     """
+    if qkv_delta is not None:
+        q, k, v = (with_delta(t, d) for t, d in zip((q, k, v), qkv_delta))
     half = q.shape[-1] // 2
     cos, sin = cos_sin[positions].to(q.dtype).unsqueeze(1).split(half, dim=-1)  # [T, 1, hd/2] each
 

@@ -5,13 +5,27 @@ Storage (DESIGN.md section 3), allocated once, addresses never change:
   lora_b:    [L, N, R]     rows slice_offsets[s] .. slice_offsets[s+1]-1 are slice s's B (scaling folded in)
   slot_rank: [L] int32     the rank in each slot (0 = empty)
 with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1).
+
+Forward: with a LoRA side stream in the forward context and at most
+LORA_DELTA_MAX_TOKENS tokens (decode steps and their CUDA graphs), the LoRA
+product runs on the side stream into a float32 delta while the base GEMM runs
+on the current stream; the two join before the next op, which adds the delta
+to its input (fused into the norm, SiLU and rotary kernels). The LoRA kernels
+thus leave the critical path of a decode step. Larger (prefill) steps add the
+product into the base output in place, in order: a [T, N] float32 delta would
+cost too much memory there. Both give the same numbers: round(y + product).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.models.linear import LinearBase
+from loraserve.worker.forward_context import ForwardContext
+
+# Steps of up to this many tokens compute the LoRA product beside the base GEMM (on the side stream).
+LORA_DELTA_MAX_TOKENS = 512
 
 # packed module name in the model -> checkpoint module names of its slices
 LORA_TARGETS = {
@@ -48,16 +62,28 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
-    def forward(self, x: torch.Tensor, lora_meta=None) -> torch.Tensor:
-        # x: [T, in] -> y: [T, N]
-        y = self.base(x)
-        if lora_meta is not None:
-            if x.is_cuda:
-                from loraserve.kernels.lora_ops import lora_apply
-            else:
-                from loraserve.kernels.lora_ops import lora_apply_ref as lora_apply
-            lora_apply(x, y, self.lora_a, self.lora_b, self.slot_rank, lora_meta, self.slice_offsets)
-        return y
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # x: [T, in] -> (y: [T, N], float32 LoRA delta of y: [T, N] or None when y already holds it)
+        meta = ctx.lora if ctx is not None else None
+        if meta is None:
+            return self.base(x)
+        side = ctx.lora_stream
+        if side is None or x.shape[0] > LORA_DELTA_MAX_TOKENS:
+            y, _ = self.base(x)
+            apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
+            apply(x, y, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets)
+            return y, None
+        main = torch.cuda.current_stream(x.device)
+        # delta: [T, N] float32, allocated on the main stream, which frees it after the join
+        delta = torch.empty(x.shape[0], self.base.out_features, dtype=torch.float32, device=x.device)
+        side.wait_stream(main)  # x, the metadata and the slot weights are ready
+        with torch.cuda.stream(side):
+            delta.zero_()
+            lora_apply(x, delta, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets)
+        y, _ = self.base(x)
+        main.wait_stream(side)
+        return y, delta
 
     @torch.no_grad()
     def write_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:

@@ -29,10 +29,11 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        # positions: [T]; q: [T, H, hd]; k, v: [T, KVH, hd] (views of the packed qkv) -> [T, H * hd]
+                meta: AttentionMetadata, qkv_delta=None) -> torch.Tensor:
+        # positions: [T]; q: [T, H, hd]; k, v: [T, KVH, hd] (views of the packed qkv) -> [T, H * hd];
+        # qkv_delta: float32 LoRA deltas shaped as q, k, v, or None
         q = rotary_and_cache(q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache,
-                             meta.slot_mapping)
+                             meta.slot_mapping, qkv_delta)
         if q.is_cuda:
             from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention
 

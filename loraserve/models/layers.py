@@ -14,6 +14,7 @@ class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back as HF does.
 
     With a residual, the residual add is fused in: returns (norm(x + residual), x + residual).
+    A float32 LoRA delta of x (x_delta) is added to x first.
     """
 
     def __init__(self, hidden_size: int, eps: float):
@@ -21,9 +22,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        # x, residual: [T, D] -> (out [T, D], new residual [T, D] or None)
-        return rms_norm(x, self.weight, self.eps, residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_delta: torch.Tensor | None = None):
+        # x, residual, x_delta: [T, D] -> (out [T, D], new residual [T, D] or None)
+        return rms_norm(x, self.weight, self.eps, residual, x_delta)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

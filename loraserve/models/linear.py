@@ -6,8 +6,9 @@ several checkpoint tensors as consecutive output ranges. With tp_size > 1 each
 rank would keep its own slice of the output (column) or input (row) dimension;
 the loaders already take that slice, so sharding is a small step later.
 
-`forward(x, lora_meta=None)`: base layers ignore lora_meta; the LoRA wrapper
-(loraserve.lora.layers.LoRALinear) uses it.
+`forward(x, ctx=None)` returns (output, LoRA delta of the output or None):
+base layers ignore the forward context and return no delta; the LoRA wrapper
+(loraserve.lora.layers.LoRALinear) uses the context's LoRA metadata.
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, lora_meta=None) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, None]:
+        # x: [T, in] -> ([T, out], no delta)
+        return F.linear(x, self.weight, self.bias), None
 
 
 def _check_shape(param_part: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

@@ -39,13 +39,18 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, D]
-        qkv = self.qkv_proj(x, ctx.lora)  # [T, q + 2 kv]
+        # returns (o_proj output [T, D], its float32 LoRA delta [T, D] or None)
+        qkv, qkv_delta = self.qkv_proj(x, ctx)  # [T, q + 2 kv] each
+        q, k, v = self.split_heads(qkv)
+        deltas = None if qkv_delta is None else self.split_heads(qkv_delta)
+        out = self.attn(positions, q, k, v, ctx.attn, deltas)  # [T, H * hd]
+        return self.o_proj(out, ctx)
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # [T, q + 2 kv] -> views q: [T, H, hd], k, v: [T, KVH, hd]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        out = self.attn(positions, q, k, v, ctx.attn)  # [T, H * hd]
-        return self.o_proj(out, ctx.lora)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
 
 class LlamaMLP(nn.Module):
@@ -58,9 +63,10 @@ class LlamaMLP(nn.Module):
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, ctx.lora)  # [T, 2I]
-        return self.down_proj(silu_and_mul(gate_up), ctx.lora)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # x: [T, D] -> (down_proj output [T, D], its float32 LoRA delta or None)
+        gate_up, gate_up_delta = self.gate_up_proj(x, ctx)  # [T, 2I] each
+        return self.down_proj(silu_and_mul(gate_up, gate_up_delta), ctx)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -71,16 +77,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual, ctx):
-        # x: [T, D] the previous layer's output, residual: [T, D] the stream before it (None at layer 0);
-        # the residual adds are fused into the norms: exactly HF's `residual + x` rounded to the dtype
+    def forward(self, positions, x, x_delta, residual, ctx):
+        # x: [T, D] the previous layer's output, x_delta: its float32 LoRA delta or None, residual: [T, D]
+        # the stream before it (None at layer 0); the residual adds (and LoRA deltas) are fused into the
+        # norms: exactly HF's `residual + x` rounded to the dtype. Returns (x, x_delta, residual) for the next.
         if residual is None:
             h, residual = self.input_layernorm(x)[0], x
         else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(positions, h, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, ctx), residual
+            h, residual = self.input_layernorm(x, residual, x_delta)
+        h, h_delta = self.self_attn(positions, h, ctx)
+        h, residual = self.post_attention_layernorm(h, residual, h_delta)
+        return *self.mlp(h, ctx), residual
 
 
 class LlamaModel(nn.Module):
@@ -91,10 +98,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, ctx):
-        x, residual = self.embed_tokens(input_ids), None  # [T, D]
+        x, x_delta, residual = self.embed_tokens(input_ids), None, None  # [T, D]
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
-        return self.norm(x, residual)[0]
+            x, x_delta, residual = layer(positions, x, x_delta, residual, ctx)
+        return self.norm(x, residual, x_delta)[0]
 
 
 class LlamaForCausalLM(nn.Module):

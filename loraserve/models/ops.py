@@ -3,32 +3,32 @@ from __future__ import annotations
 
 import torch
 
+from loraserve.kernels import fused
 from loraserve.kernels.fused_reference import rms_norm_ref, rotary_and_cache_ref, silu_and_mul_ref
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(RMSNorm(x + residual), x + residual) or (RMSNorm(x), None); x, residual: [T, D]."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             x_delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(RMSNorm(x + residual), x + residual) or (RMSNorm(x), None); x, residual: [T, D].
+
+    x_delta: [T, D] float32 LoRA delta of x, added (rounded) before anything else."""
     if x.is_cuda:
-        from loraserve.kernels.fused import rms_norm as fused
-
-        return fused(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+        return fused.rms_norm(x, weight, eps, residual, x_delta)
+    return rms_norm_ref(x, weight, eps, residual, x_delta)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: silu(gate) * up."""
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+    """[T, 2I] (+ float32 LoRA delta [T, 2I]) -> [T, I]: silu(gate) * up."""
     if gate_up.is_cuda:
-        from loraserve.kernels.fused import silu_and_mul as fused
-
-        return fused(gate_up)
-    return silu_and_mul_ref(gate_up)
+        return fused.silu_and_mul(gate_up, delta)
+    return silu_and_mul_ref(gate_up, delta)
 
 
-def rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping) -> torch.Tensor:
-    """Rotary on q and k; rotated k and v written to the KV cache at slot_mapping; returns rotated q."""
+def rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping,
+                     qkv_delta=None) -> torch.Tensor:
+    """Rotary on q and k; rotated k and v written to the KV cache at slot_mapping; returns rotated q.
+
+    qkv_delta: float32 LoRA deltas (dq, dk, dv) shaped as q, k, v, added (rounded) first, or None."""
     if q.is_cuda:
-        from loraserve.kernels.fused import rotary_and_cache as fused
-
-        return fused(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
-    return rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return fused.rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qkv_delta)
+    return rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qkv_delta)

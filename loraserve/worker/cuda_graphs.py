@@ -56,12 +56,13 @@ class CUDAGraphRunner:
     """capture / can_run / run for decode steps of up to `max_batch` sequences."""
 
     def __init__(self, model, max_batch: int, max_blocks: int, block_size: int, dummy_block: int,
-                 device: torch.device, lora_meta_builder=None):
+                 device: torch.device, lora_meta_builder=None, lora_stream: torch.cuda.Stream | None = None):
         self.model = model
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.dummy_slot = dummy_block * block_size
         self.device = device
         self.lora_meta_builder = lora_meta_builder
+        self.lora_stream = lora_stream  # the LoRA kernels' side stream, forked and joined inside each graph
         self.buckets = batch_buckets(max_batch)
         self.inputs = GraphInputs.allocate(max_batch, max_blocks, device)
         size = self.inputs.device_buf.numel()
@@ -70,6 +71,7 @@ class CUDAGraphRunner:
         self._next = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> static hidden states [bucket, D]
+        self.warmup_seconds = 0.0  # one eager forward per bucket before capturing (compiles the Triton kernels)
         self.capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self._pool = None
@@ -81,7 +83,7 @@ class CUDAGraphRunner:
                                  seq_lens=i.seq_lens[:batch], query_start_loc=i.query_start_loc[:batch + 1],
                                  max_query_len=1, is_decode=True)
         lora = self.lora_meta_builder.meta if self.lora_meta_builder is not None else None
-        return ForwardContext(attn, lora)
+        return ForwardContext(attn, lora, self.lora_stream if lora is not None else None)
 
     def _forward(self, batch: int) -> torch.Tensor:
         ctx = self._context(batch)
@@ -91,13 +93,15 @@ class CUDAGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool."""
         self._write_padding_only()
+        order = sorted(self.buckets, reverse=True)
+        start = time.perf_counter()
+        for batch in order:  # warm-up: Triton compiles (or loads from its cache) outside the capture
+            self._forward(batch)
         torch.cuda.synchronize(self.device)
+        self.warmup_seconds = time.perf_counter() - start
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
-        for batch in tqdm(sorted(self.buckets, reverse=True), desc="Capturing CUDA graphs", unit="graph",
-                          leave=False, disable=None):
-            self._forward(batch)  # warm-up: Triton compiles and autotunes outside the capture
-            torch.cuda.synchronize(self.device)
+        for batch in tqdm(order, desc="Capturing CUDA graphs", unit="graph", leave=False, disable=None):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
                 out = self._forward(batch)
@@ -107,8 +111,9 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
-        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s using %.2f GiB", len(self.graphs),
-                    self.buckets[0], self.buckets[-1], self.capture_seconds, self.graph_memory_bytes / 2**30)
+        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s using %.2f GiB (warm-up and kernel "
+                    "compilation before it: %.1f s)", len(self.graphs), self.buckets[0], self.buckets[-1],
+                    self.capture_seconds, self.graph_memory_bytes / 2**30, self.warmup_seconds)
 
     def _write_padding_only(self) -> None:
         i = self.inputs

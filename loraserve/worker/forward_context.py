@@ -26,3 +26,5 @@ class AttentionMetadata:
 class ForwardContext:
     attn: AttentionMetadata
     lora: "LoRAMeta | None" = None  # None: no LoRA kernels in this (eager) step
+    # CUDA stream on which decode-sized LoRA products run beside the base projections; None: in place, in order
+    lora_stream: torch.cuda.Stream | None = None

@@ -109,5 +109,5 @@ def _eager(model, graph_runner, bucket: int, input_ids, positions, slot_mapping,
     meta = None
     if lora is not None:
         meta = graph_runner.lora_meta_builder.build(np.concatenate([lora, np.full(pad, -1, np.int64)]))
-    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), ForwardContext(attn, meta))
+    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), ForwardContext(attn, meta, graph_runner.lora_stream))
     return out[:n]

@@ -53,11 +53,14 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.sampler = Sampler(device, seed)
         self.lora_meta_builder = None
+        self.lora_stream = None  # CUDA: decode-sized LoRA products run here, beside the base GEMMs
         if max_loras > 0:
             from loraserve.kernels.lora_meta import LoRAMetaBuilder
 
             self.lora_meta_builder = LoRAMetaBuilder(scheduler_config.max_num_batched_tokens
                                                      + scheduler_config.max_num_seqs, max_loras, device)
+            if device.type == "cuda":
+                self.lora_stream = torch.cuda.Stream(device)
         self.graph_runner = None
         if device.type == "cuda" and not enforce_eager:
             self._capture_graphs(scheduler_config.max_num_seqs, lora_layers)
@@ -67,7 +70,8 @@ class ModelRunner:
         from loraserve.worker.graph_check import verify_graphs
 
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, self.max_blocks_per_seq, self.block_size,
-                                            self.dummy_block, self.device, self.lora_meta_builder)
+                                            self.dummy_block, self.device, self.lora_meta_builder,
+                                            self.lora_stream)
         self.graph_runner.capture()
         verify_graphs(self.graph_runner, self.model, self.num_blocks, lora_layers)
 
@@ -168,7 +172,7 @@ class ModelRunner:
         if self.lora_meta_builder is not None and (inputs.token_lora_slots >= 0).any():
             lora = self.lora_meta_builder.build(inputs.token_lora_slots)
         hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions),
-                            ForwardContext(attn, lora))
+                            ForwardContext(attn, lora, self.lora_stream if lora is not None else None))
         return hidden[self._to_device(inputs.logits_rows)]
 
     @torch.inference_mode()
