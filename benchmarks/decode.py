@@ -59,6 +59,7 @@ def run_mode(args, mode: str, device: torch.device, bandwidth: float) -> tuple[d
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, device=device, dtype=args.dtype, max_model_len=min(needed, limit or needed),
                        max_num_seqs=max(args.batch_sizes), enforce_eager=mode == "eager", seed=args.seed,
+                       async_scheduling=args.async_scheduling,
                        gpu_memory_utilization=args.gpu_memory_utilization)
     info = bc.engine_info(engine, time.perf_counter() - t0)
     bc.fill_kv_random(engine)

@@ -88,7 +88,8 @@ def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: di
     n_steps = args.warmup + args.steps
     lora = mode.endswith("+lora")
     t0 = time.perf_counter()
-    engine = LLMEngine(model, device=device, dtype=args.dtype, max_model_len=args.context + n_steps + 2,
+    engine = LLMEngine(model, device=device, dtype=args.dtype, max_model_len=args.context + n_steps + 3,
+                       async_scheduling=args.async_scheduling,
                        max_num_seqs=args.max_num_seqs, enforce_eager=mode.startswith("eager"), seed=args.seed,
                        enable_lora=lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                        max_cpu_loras=16)

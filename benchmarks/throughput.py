@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at t=0)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch the next step before reading the current one's tokens")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = p.parse_args(argv)
     args.num_requests = args.num_requests or (8 if args.quick else 256)
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     engine = LLMEngine(args.model, device=device, dtype=args.dtype, max_model_len=needed,
                        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
-                       gpu_memory_utilization=args.gpu_memory_utilization)
+                       gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=args.async_scheduling)
     info = bc.engine_info(engine, time.perf_counter() - t0)
     vocab = engine.hf_config.vocab_size
     prompts = [rng.integers(0, vocab, k).tolist() for k in prompt_lens]

@@ -1,4 +1,14 @@
-"""LLMEngine: requests in, RequestOutputs out; `step()` = schedule -> run -> postprocess."""
+"""LLMEngine: requests in, RequestOutputs out; `step()` = schedule -> run -> postprocess.
+
+Asynchronous scheduling (the default): `step()` schedules and launches the
+next step on the device before it reads the tokens of the step launched by the
+previous call, so the host's scheduling, input preparation and output
+processing overlap the device's work instead of leaving it idle. The next step
+takes the tokens it needs from the device (Sequence.num_pending_tokens); a
+sequence that the tokens read afterwards finish computed one token too many,
+which is dropped. Outputs come one call later; greedy and seeded results are
+the same as with `async_scheduling=False`.
+"""
 from __future__ import annotations
 
 import itertools
@@ -18,7 +28,7 @@ from loraserve.models.llama import attention_window
 from loraserve.models.loader import load_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
-from loraserve.worker.model_runner import ModelRunner
+from loraserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +40,8 @@ class LLMEngine:
                  max_num_seqs: int = 256, enforce_eager: bool = False, seed: int = 0, enable_lora: bool = False,
                  max_loras: int = 4, max_lora_rank: int = 64, max_cpu_loras: int = 16, block_size: int = 16,
                  max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_gb: float = 2.0, num_gpu_blocks_override: int | None = None):
+                 cpu_kv_cache_gb: float = 2.0, num_gpu_blocks_override: int | None = None,
+                 async_scheduling: bool = True):
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         # settings that don't depend on the model are checked before the (slow) load
@@ -65,6 +76,8 @@ class LLMEngine:
                                    self.lora_manager.pinned if self.lora_manager else None)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        self.async_scheduling = async_scheduling
+        self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
 
     def _make_lora_manager(self, model):
         from loraserve.lora.adapter import LoRAModelSpec
@@ -156,9 +169,10 @@ class LLMEngine:
             del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        seq.num_pending_tokens = 0  # a token still in flight for it is dropped when it arrives
         self.scheduler.finish(seq, reason)
         self.runner.sampler.forget(seq.request_id)
         if seq.lora_name is not None:
@@ -166,7 +180,20 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        """Launch the next step, then return the outputs of the step launched before it (with
+        async_scheduling) or of this one (without)."""
+        in_flight, self._in_flight = self._in_flight, None
+        outputs = self._launch(self.scheduler.schedule(), in_flight)
+        if in_flight is not None:
+            outputs += self._read(in_flight)
+        if not self.async_scheduling and self._in_flight is not None:
+            launched, self._in_flight = self._in_flight, None
+            outputs += self._read(launched)
+        return outputs
+
+    def _launch(self, out, in_flight: LaunchedStep | None) -> list[RequestOutput]:
+        """Start `out` on the device (kept in self._in_flight); returns the outputs of requests failed on
+        the way (a broken adapter)."""
         if out.is_empty:
             return []
         lora_slots: dict[str, int] = {}
@@ -176,12 +203,23 @@ class LLMEngine:
                 lora_slots = self.lora_manager.prepare_slots(names, self.scheduler.running_loras())
             except LoRAAdapterError as exc:
                 return self._fail_adapter(exc)
-        sampled, result = self.runner.execute(out, lora_slots)
+        self._in_flight = self.runner.execute(out, lora_slots, in_flight)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+        for seq in self._in_flight.sequences:
+            seq.num_pending_tokens += 1
+        return []
+
+    def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and hand them to their sequences."""
+        if launched.samples is None:
+            return []
+        result = launched.samples.to_host()
         outputs = []
-        for item, token, logprobs in zip(sampled, result.token_ids, result.logprobs):
-            seq = item.seq
+        for seq, token, logprobs in zip(launched.sequences, result.token_ids, result.logprobs):
+            if seq.is_finished:
+                continue  # finished (or aborted) while this step was in flight: the token is dropped
+            seq.num_pending_tokens -= 1
             self._append_token(seq, token, logprobs)
             outputs.append(self._make_output(seq))
             if seq.is_finished:
@@ -219,7 +257,7 @@ class LLMEngine:
         elif (stop := find_stop_string(seq, new_len)) is not None:
             seq.stop_reason = stop
             self._finish(seq, "stop")
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_resolved_tokens >= self.max_model_len:
             self._finish(seq, "length")
 
     @staticmethod

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from loraserve.sampling_params import SamplingParams
 
 
+PENDING_TOKEN = -1  # a sampled token still on the device
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -18,9 +21,14 @@ class Sequence:
     """One request (one generated sequence).
 
     Each step computes tokens [num_computed_tokens, num_computed_tokens + n) of
-    `all_token_ids`; when that reaches the end, a new token is sampled. A prompt
+    the prompt + output tokens; when that reaches the end, a new token is sampled. A prompt
     is a prefill (maybe in chunks), a generated token a decode, and a request
     preempted by recompute simply starts again from num_computed_tokens = 0.
+
+    With asynchronous scheduling the token sampled by the step in flight is
+    not known on the host yet: it counts in `num_pending_tokens` (it follows
+    output_token_ids), reads as PENDING_TOKEN, and the model runner takes its
+    value from the device when a step feeds it back to the model.
     """
 
     request_id: str
@@ -42,23 +50,30 @@ class Sequence:
     prefix_offset: int = 0
     read_offset: int = 0
     num_preemptions: int = 0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    num_pending_tokens: int = 0  # sampled by a step in flight, not yet on the host
 
     def token_range(self, start: int, end: int) -> list[int]:
-        """all_token_ids[start:end] without building the whole list (a decode step needs one token)."""
+        """Token ids [start, end) of prompt + output + pending tokens (PENDING_TOKEN for the pending ones)."""
         p = len(self.prompt_token_ids)
-        if start >= p:
-            return self.output_token_ids[start - p:end - p]
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+        ids = self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - p):end - p]
+        return ids + [PENDING_TOKEN] * (end - max(start, self.num_resolved_tokens))
+
+    @property
+    def num_resolved_tokens(self) -> int:
+        """Prompt and output tokens known on the host."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_resolved_tokens + self.num_pending_tokens
+
+    def pending_token_ends_it(self, max_model_len: int) -> bool:
+        """Whether the token in flight will end the sequence by its length (so it needs no further step)."""
+        return self.num_pending_tokens > 0 and (
+            len(self.output_token_ids) + self.num_pending_tokens >= self.sampling_params.max_tokens
+            or self.num_tokens >= max_model_len)
 
     @property
     def num_uncomputed_tokens(self) -> int:

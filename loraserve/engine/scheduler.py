@@ -2,7 +2,8 @@
 
 Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
 1. Running sequences first, oldest first: a decode takes 1 token, a prompt still
-   in prefill takes the next chunk. If KV blocks run out, the newest running
+   in prefill takes the next chunk (a sequence whose token in flight is its last
+   by length is skipped). If KV blocks run out, the newest running
    sequence is preempted (blocks freed, recomputed later from the start).
 2. Then waiting sequences, first come first served, while budget, blocks and
    sequence slots last. A step holds at most `max_loras` distinct adapters: a
@@ -87,6 +88,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.pending_token_ends_it(self.config.max_model_len):
+                i += 1  # its token in flight is its last: nothing more to compute
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 victim = self.running[-1]

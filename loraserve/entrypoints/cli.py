@@ -18,6 +18,8 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="schedule and launch the next step before reading the current one's tokens")
     p.add_argument("--seed", type=int, default=0, help="engine seed")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     p.add_argument("--max-tokens", type=int, default=64)
@@ -52,7 +54,8 @@ def run_generate(args: argparse.Namespace) -> int:
         lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                             max_cpu_loras=args.max_cpu_loras)
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed, **lora_options)
+              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
+              async_scheduling=args.async_scheduling, **lora_options)
     for name, path in args.lora:
         llm.add_lora(LoRARequest(name, path))
     lora = LoRARequest(args.use_lora) if args.use_lora else None

@@ -40,6 +40,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests that may wait for their first token before new ones get 503")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="schedule and launch the next step before reading the current one's tokens")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve adapters (implied by --lora-modules and --enable-runtime-lora-updates)")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
@@ -68,6 +70,7 @@ def run_server(args: argparse.Namespace) -> None:
     engine = LLMEngine(
         args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
+        async_scheduling=args.async_scheduling,
         enable_lora=bool(args.enable_lora or args.lora_modules or args.enable_runtime_lora_updates),
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
     modules = tuple((name, os.path.realpath(path)) for name, path in args.lora_modules)

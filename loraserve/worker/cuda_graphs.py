@@ -146,6 +146,10 @@ class CUDAGraphRunner:
         n = input_ids.shape[0]
         bucket = self.bucket_for(n)
         self.write_inputs(input_ids, positions, slot_mapping, seq_lens, block_tables, token_lora_slots, bucket)
+        return self.replay(bucket, n)
+
+    def replay(self, bucket: int, n: int) -> torch.Tensor:
+        """Replay a bucket's graph on the inputs written last; returns hidden states [n, D]."""
         self.graphs[bucket].replay()
         return self.outputs[bucket][:n]
 

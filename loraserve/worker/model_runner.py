@@ -8,10 +8,11 @@ import numpy as np
 import torch
 
 from loraserve.config import CacheConfig, SchedulerConfig
+from loraserve.engine.request import PENDING_TOKEN, Sequence
 from loraserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loraserve.models.attention import PagedAttention
 from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
-from loraserve.worker.sampler import Sampler, SamplerOutput
+from loraserve.worker.sampler import SampledTokens, Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,33 @@ class StepInputs:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class LaunchedStep:
+    """A step launched on the device: the sequences that sample (in row order) and their samples."""
+
+    sequences: list[Sequence]
+    samples: SampledTokens | None  # None when no sequence samples (prefill chunks only)
+
+
+@dataclass
+class PendingTokenFill:
+    """Input rows whose token is still on the device: ids[rows] = in-flight samples[sources]."""
+
+    rows: np.ndarray  # [K] int64 rows of this step's input_ids
+    sources: np.ndarray  # [K] int64 rows of the in-flight step's samples
+    tokens: torch.Tensor  # [M] int64 the in-flight step's samples (device)
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens into the device input ids (no host sync)."""
+        k = self.rows.shape[0]
+        if np.array_equal(self.rows, self.sources) and np.array_equal(self.rows, np.arange(k)):
+            input_ids[:k].copy_(self.tokens[:k])  # the usual decode case: same rows, same order
+            return
+        rows = torch.from_numpy(self.rows).to(input_ids.device, non_blocking=True)
+        sources = torch.from_numpy(self.sources).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, rows, self.tokens.index_select(0, sources).to(input_ids.dtype))
 
 
 class ModelRunner:
@@ -161,8 +189,22 @@ class ModelRunner:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
+    @staticmethod
+    def pending_fill(inputs: StepInputs, scheduled: list[ScheduledSequence],
+                     in_flight: LaunchedStep | None) -> PendingTokenFill | None:
+        """Where this step's input holds tokens sampled by the step in flight, and which ones."""
+        rows = np.flatnonzero(inputs.input_ids == PENDING_TOKEN)
+        if rows.size == 0:
+            return None
+        if in_flight is None or in_flight.samples is None:
+            raise RuntimeError("a pending token is scheduled but no step is in flight")
+        source_of = {id(seq): i for i, seq in enumerate(in_flight.sequences)}
+        owners = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1  # [K] scheduled index per row
+        sources = np.array([source_of[id(scheduled[i].seq)] for i in owners.tolist()], dtype=np.int64)
+        return PendingTokenFill(rows.astype(np.int64), sources, in_flight.samples.tokens)
+
     @torch.inference_mode()
-    def forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+    def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None) -> torch.Tensor:
         """The model on this step's tokens; returns the hidden states of the sampled rows [N, D]."""
         attn = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
@@ -171,25 +213,36 @@ class ModelRunner:
         lora = None
         if self.lora_meta_builder is not None and (inputs.token_lora_slots >= 0).any():
             lora = self.lora_meta_builder.build(inputs.token_lora_slots)
-        hidden = self.model(self._to_device(inputs.input_ids), self._to_device(inputs.positions),
+        input_ids = self._to_device(inputs.input_ids)
+        if fill is not None:
+            fill.apply(input_ids)
+        hidden = self.model(input_ids, self._to_device(inputs.positions),
                             ForwardContext(attn, lora, self.lora_stream if lora is not None else None))
         return hidden[self._to_device(inputs.logits_rows)]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, lora_slots: dict[str, int]) -> tuple[list[ScheduledSequence], SamplerOutput]:
-        """Run the step; returns the sequences that sampled and their samples (in the same order)."""
+    def execute(self, out: SchedulerOutput, lora_slots: dict[str, int],
+                in_flight: LaunchedStep | None = None) -> LaunchedStep:
+        """Launch the step without waiting for it. Input tokens that are still pending on the host are
+        taken from `in_flight`'s samples on the device."""
         inputs = self.prepare(out.scheduled, lora_slots)
+        fill = self.pending_fill(inputs, out.scheduled, in_flight)
         graphs = self.graph_runner
-        if inputs.is_decode and graphs is not None and graphs.can_run(len(inputs.input_ids)):
+        n = len(inputs.input_ids)
+        if inputs.is_decode and graphs is not None and graphs.can_run(n):
             lora = inputs.token_lora_slots if self.lora_meta_builder is not None else None
-            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
-                                inputs.block_tables, lora)
+            bucket = graphs.bucket_for(n)
+            graphs.write_inputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
+                                inputs.block_tables, lora, bucket)
+            if fill is not None:
+                fill.apply(graphs.inputs.input_ids)
+            hidden = graphs.replay(bucket, n)
         else:
-            hidden = self.forward_eager(inputs)
+            hidden = self.forward_eager(inputs, fill)
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
-            return [], SamplerOutput([], [])
+            return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden)  # [N, V]
-        result = self.sampler(logits, [s.seq.request_id for s in sampling],
-                              [s.seq.sampling_params for s in sampling])
-        return sampling, result
+        samples = self.sampler(logits, [s.seq.request_id for s in sampling],
+                               [s.seq.sampling_params for s in sampling])
+        return LaunchedStep([s.seq for s in sampling], samples)

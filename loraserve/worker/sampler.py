@@ -1,4 +1,4 @@
-"""Turn the logits of a step's sampling rows into token ids (and logprobs when asked)."""
+"""Turn the logits of a step's sampling rows into token ids (and logprobs when asked), without a host sync."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,12 +14,50 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: sampled token + top-k, or None if not asked
 
 
+class SampledTokens:
+    """A step's samples, still on the device: `to_host()` waits for them (the only host sync of a step).
+
+    tokens: [N] int64 device tensor; with logprobs asked, the sampled tokens' logprobs [N] and the top-k
+    values and ids [N, k]. The copies to the host start at once (into pinned memory on CUDA), so
+    `to_host()` only waits for the step to finish.
+    """
+
+    def __init__(self, tokens: torch.Tensor, want: list[int | None], logprob_tensors=None):
+        self.tokens = tokens  # [N] int64, on the device: a later step may read them there
+        self.want = want
+        self._host = [t.to("cpu", non_blocking=True) if t.is_cuda else t
+                      for t in (tokens, *(logprob_tensors or ()))]
+        self._ready = None
+        if tokens.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def to_host(self) -> SamplerOutput:
+        if self._ready is not None:
+            self._ready.synchronize()
+        token_list = self._host[0].tolist()
+        n = len(token_list)
+        if len(self._host) == 1:
+            return SamplerOutput(token_list, [None] * n)
+        sampled_lp, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+        out: list[dict[int, float] | None] = []
+        for i in range(n):
+            if self.want[i] is None:
+                out.append(None)
+                continue
+            entry = {top_ids[i][j]: top_vals[i][j] for j in range(self.want[i])}
+            entry[token_list[i]] = sampled_lp[i]
+            out.append(entry)
+        return SamplerOutput(token_list, out)
+
+
 class Sampler:
     """Greedy, temperature, top-k, top-p; per-request seeds.
 
     A request with a seed owns a torch.Generator, so its samples do not depend on
     the other requests of the batch; the others share the engine's generator.
     Logprobs are those of the model's distribution (before temperature/top-k/top-p).
+    Sampling is launched on the device without waiting for it (see SampledTokens).
     """
 
     def __init__(self, device: torch.device, seed: int):
@@ -40,7 +78,7 @@ class Sampler:
         return gen
 
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampledTokens:
         # logits: [N, V] fp32
         n = logits.shape[0]
         greedy_rows = [i for i in range(n) if params[i].greedy]
@@ -57,23 +95,13 @@ class Sampler:
             tokens[r] = self._sample(logits[r], [request_ids[i] for i in random_rows],
                                      [params[i] for i in random_rows])
         want = [p.logprobs for p in params]
-        token_list = tokens.tolist()
         if not any(w is not None for w in want):
-            return SamplerOutput(token_list, [None] * n)
+            return SampledTokens(tokens, want)
         logprobs = torch.log_softmax(logits, dim=-1)
         k = max(w or 0 for w in want)
         top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long()))
-        sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        out: list[dict[int, float] | None] = []
-        for i in range(n):
-            if want[i] is None:
-                out.append(None)
-                continue
-            entry = {top_ids[i][j]: top_vals[i][j] for j in range(want[i])}
-            entry[token_list[i]] = sampled_lp[i]
-            out.append(entry)
-        return SamplerOutput(token_list, out)
+        sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
+        return SampledTokens(tokens, want, (sampled_lp, top_vals, top_ids))
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         """Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each row's E from its generator."""
