@@ -2,13 +2,16 @@
 
 For each packed layer (qkv, o, gate_up, down), token count, number of active
 adapters (in a 16-slot buffer), popularity and rank set it times lora_apply
-(memset + shrink + expand) inside a CUDA graph, over enough weight/input sets
+(shrink + expand) inside a CUDA graph, over enough weight/input sets
 that the bytes do not stay in L2, and prints the time next to the bytes and
 FLOPs it must move and do, the floor (max of bytes / measured copy bandwidth
 and FLOPs / measured bf16 GEMM rate), the percentage of the floor, and the
 torch reference's time. Bytes: x rows and y rows (read + write) of tokens with
 an adapter, and the A and B rows of each used slot up to its rank.
-Writes lora_kernels.json and lora_kernels.png to --out.
+Writes lora_kernels.json and lora_kernels.png to --out. --sweep first times
+candidate kernel shapes (shrink and expand alone, each candidate in its own
+graph) and lora_apply with the split-K partials summed by the expand instead of
+the shrink, at decode and prefill points, and prints the fastest of each.
 
     python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
@@ -28,7 +31,7 @@ import triton.language as tl
 from loraserve.kernels.lora_expand import ExpandConfig, lora_expand
 from loraserve.kernels.lora_meta import LoRAMetaBuilder
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
-from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink
+from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_splits
 
 LAYERS = {  # name: (in features, packed slice sizes)
     "qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)),
@@ -128,20 +131,28 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
     flops = 2 * int(tok_rank.sum()) * (layer.num_slices * layer.hidden + layer.n_out)
 
     sets = max(1, min(len(layer.weights), math.ceil(3 * layer.l2_bytes / max(1, nbytes))))
+    sr = layer.num_slices * layer.rank_max
     xs = [torch.randn(num_tokens, layer.hidden, device="cuda", dtype=DTYPE) for _ in range(sets)]
     ys = [torch.randn(num_tokens, layer.n_out, device="cuda", dtype=DTYPE) for _ in range(sets)]
-    inters = [torch.empty(num_tokens, layer.num_slices * layer.rank_max, device="cuda")
-              for _ in range(sets)]
+    inters = [torch.empty(num_tokens, sr, device="cuda") for _ in range(sets)]
     idx = [i % sets for i in range(max(sets, 16))]
 
-    def op(kind, i, shrink_cfg=None, expand_cfg=None):
+    def op(kind, i, cfg=None):
+        """One launch (or pair) on weight/input set i; cfg: a ShrinkConfig or ExpandConfig."""
         a, b = layer.weights[i]
         if kind == "apply":
             return lambda: lora_apply(xs[i], ys[i], a, b, slot_rank, meta, layer.offsets)
         if kind == "shrink":
-            return lambda: lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, inters[i],
-                                       shrink_cfg)
-        return lambda: lora_expand(inters[i], b, slot_rank, meta, layer.offsets, ys[i], expand_cfg)
+            return lambda: lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, inters[i], cfg)
+        if kind == "expand":
+            return lambda: lora_expand(inters[i], b, slot_rank, meta, layer.offsets, ys[i], cfg)
+        # "apply_partials": the shrink leaves its split-K partials, the expand adds them as it loads
+        parts = torch.empty(shrink_splits(num_tokens, layer.hidden, sr), num_tokens, sr, device="cuda")
+
+        def apply_partials():
+            lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, parts)
+            lora_expand(parts, b, slot_rank, meta, layer.offsets, ys[i])
+        return apply_partials
 
     result = dict(layer=layer.name, T=num_tokens, n=n, pop=pop, ranks=rank_key,
                   only_rank=only_rank, bytes=nbytes, flops=flops, sets=sets)
@@ -172,20 +183,24 @@ def plan(mode):
     return sorted(cases, key=lambda c: (c[0], max(RANK_SETS[c[4]])))
 
 
-SHRINK_SWEEP = {
-    "decode": [ShrinkConfig(16, 16, bk, 16, nw, ns) for bk, nw, ns in [
-        (128, 4, 3), (64, 4, 4), (256, 4, 2), (128, 8, 3)]],
+SHRINK_SWEEP = {  # (block_m, block_n, block_k, split_k, num_warps, num_stages); first = today's default
+    "decode": [ShrinkConfig(bm, bn, bk, sk, nw, ns) for bm, bn, bk, sk, nw, ns in [
+        (16, 16, 128, 16, 4, 3), (16, 16, 256, 16, 4, 2), (16, 16, 64, 16, 4, 4), (16, 16, 128, 16, 8, 3),
+        (16, 16, 128, 8, 4, 3), (16, 16, 256, 8, 4, 3), (16, 16, 128, 4, 4, 3), (16, 32, 128, 16, 4, 3)]],
     "prefill": [ShrinkConfig(bm, bn, bk, sk, nw, ns) for bm, bn, bk, sk, nw, ns in [
-        (64, 64, 64, 4, 8, 4), (64, 32, 64, 4, 4, 4), (64, 16, 64, 4, 4, 4),
-        (128, 32, 64, 4, 4, 3)]],
+        (64, 64, 64, 4, 8, 4), (64, 32, 64, 4, 4, 4), (64, 16, 64, 4, 4, 4), (128, 32, 64, 4, 4, 3),
+        (64, 64, 64, 2, 8, 4), (64, 64, 64, 1, 8, 4), (128, 64, 64, 4, 8, 3)]],
 }
-EXPAND_SWEEP = {
+EXPAND_SWEEP = {  # (block_m, block_n, block_r, num_warps, num_stages, col_tiles); first = narrow default
     "decode": [ExpandConfig(16, bn, 16, nw, 2, ct) for bn, nw, ct in [
-        (128, 2, 1), (128, 2, 2), (256, 4, 1), (256, 4, 2), (64, 2, 4), (128, 4, 1)]],
+        (128, 2, 1), (128, 4, 2), (128, 4, 1), (128, 2, 2), (128, 4, 4), (64, 2, 1), (64, 2, 2),
+        (256, 4, 1), (256, 4, 2), (256, 8, 1), (256, 8, 2), (512, 8, 1)]],
     "prefill": [ExpandConfig(bm, bn, 16, nw, 2, ct) for bm, bn, nw, ct in [
-        (32, 128, 4, 1), (32, 128, 4, 2), (32, 128, 4, 4), (64, 128, 4, 4), (32, 64, 4, 4),
-        (32, 256, 4, 2), (16, 128, 4, 4), (64, 64, 4, 2)]],
+        (32, 128, 4, 4), (32, 128, 4, 1), (32, 128, 4, 2), (64, 128, 4, 4), (32, 64, 4, 4),
+        (32, 256, 4, 2), (16, 128, 4, 4), (64, 64, 4, 2), (64, 128, 8, 4), (32, 256, 8, 4)]],
 }
+SWEEP_POINTS = [("qkv", 1), ("qkv", 64), ("o", 64), ("gate_up", 8), ("gate_up", 32), ("gate_up", 64),
+                ("down", 64), ("qkv", 4096), ("gate_up", 4096)]
 
 
 @triton.jit
@@ -195,7 +210,13 @@ def _empty_kernel(out_ptr):
 
 
 def sweep(layers, rng, reps):
-    """Time alternative kernel shapes at the BASE point (decode T=64, prefill T=4096)."""
+    """Time alternative kernel shapes at the BASE point (8 adapters, r=16, uniform) of SWEEP_POINTS.
+
+    Per point: lora_apply with its default shapes ("apply"), lora_apply with the
+    split-K partials summed by the expand ("apply_partials", no in-launch
+    reduction), then every shrink and expand candidate alone (the shrink ones
+    sum their partials in the launch), and the fastest candidate of each.
+    """
     rows = []
     out = torch.empty(64, 48, device="cuda")
     rows.append(dict(kind="memset", us=graph_us([out.zero_] * 32, reps)))
@@ -203,17 +224,23 @@ def sweep(layers, rng, reps):
                                                       reps)))
     print(f"sweep memset of inter {rows[0]['us']:.2f} us, "
           f"empty Triton kernel {rows[1]['us']:.2f} us")
-    for name, num_tokens in [("qkv", 1), ("qkv", 64), ("gate_up", 64), ("down", 64), ("qkv", 4096),
-                             ("gate_up", 4096)]:
+    for name, num_tokens in SWEEP_POINTS:
         _, op, idx = run_case(layers(name, 16), num_tokens, BASE["n"], BASE["pop"], BASE["ranks"],
                               rng, reps)
+        for kind in ("apply", "apply_partials"):
+            us = graph_us([op(kind, i) for i in idx], reps)
+            rows.append(dict(layer=name, T=num_tokens, kind=kind, config="default", us=us))
+            print(f"sweep {name:8s} T={num_tokens:5d} {kind:14s} {us:9.2f} us  default shapes")
         shape = "decode" if num_tokens <= 64 else "prefill"
         for kind, table in (("shrink", SHRINK_SWEEP), ("expand", EXPAND_SWEEP)):
+            timed = []
             for cfg in table[shape]:
-                cfg_args = dict(shrink_cfg=cfg) if kind == "shrink" else dict(expand_cfg=cfg)
-                us = graph_us([op(kind, i, **cfg_args) for i in idx], reps)
+                us = graph_us([op(kind, i, cfg) for i in idx], reps)
+                timed.append((us, cfg))
                 rows.append(dict(layer=name, T=num_tokens, kind=kind, config=repr(cfg), us=us))
-                print(f"sweep {name:8s} T={num_tokens:5d} {kind:6s} {us:9.2f} us  {cfg}")
+                print(f"sweep {name:8s} T={num_tokens:5d} {kind:14s} {us:9.2f} us  {cfg}")
+            us, cfg = min(timed, key=lambda t: t[0])
+            print(f"sweep {name:8s} T={num_tokens:5d} {kind:14s} best {us:.2f} us  {cfg}")
     return rows
 
 

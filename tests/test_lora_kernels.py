@@ -7,7 +7,10 @@ Weights beyond each slot's rank and the weights of empty slots are NaN, so a
 kernel that reads them fails; the shrink output is poisoned with NaN and every
 element that lora_expand reads is checked; the expand output is random and
 every element is checked (rows without an adapter bit for bit). The reference
-itself is checked against a per-token float64 loop.
+itself is checked against a per-token float64 loop. The split-K shrink's
+in-launch sum is checked bit for bit against its partials added in split
+order, across repeated launches that reuse the tile counters (back to zero
+after every launch).
 """
 import math
 
@@ -16,7 +19,7 @@ import pytest
 import torch
 
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
-from loraserve.kernels.lora_meta import LoRAMetaBuilder
+from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMetaBuilder
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
@@ -114,6 +117,7 @@ def check_expand_result(case, y_before, y_kernel, y_ref, rtol=1e-5, atol=1e-5):
 
 SPLIT_SHRINK = ShrinkConfig(16, 16, 32, 3)
 NARROW_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3)
+WIDE_DECODE_EXPAND = expand_config(64, 1 << 20)
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -126,6 +130,8 @@ CASES = [
     (64, (64, 64, 32), 16, 4, 40, "skewed", 0.0, PREFILL, NARROW_EXPAND),
     (72, (100,), 4, 2, 5, "distinct", 0.0, SPLIT_SHRINK, PREFILL),
     (64, (30, 34), 5, 4, 26, "identical", 0.2, None, NARROW_EXPAND),
+    (300, (48, 24, 24), 40, 3, 12, "uniform", 0.1, None, NARROW_EXPAND),  # 3 rank steps; K split 2 ways
+    (64, (200, 56), 24, 3, 21, "skewed", 0.1, SPLIT_SHRINK, WIDE_DECODE_EXPAND),
 ]
 
 
@@ -136,7 +142,7 @@ def test_kernels_match_reference(index):
     if s_cfg == PREFILL:
         s_cfg = shrink_config(4096, hidden, len(sizes) * rank_max)
     if e_cfg == PREFILL:
-        e_cfg = expand_config(4096)
+        e_cfg = expand_config(4096, sum(sizes))
     token_slots = case["meta"].token_slots
 
     out = torch.full((t, len(sizes) * rank_max), float("nan"), device=DEVICE)
@@ -197,6 +203,74 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
+def defined_mask(case, rank_max):
+    """[T, S*R] bool: the shrink outputs lora_expand reads (a slot's token, r < rank)."""
+    t, s = len(case["slots"]), case["num_slices"]
+    defined = torch.zeros(t, s, rank_max, dtype=torch.bool)
+    for i, slot in enumerate(case["slots"]):
+        if slot >= 0:
+            defined[i, :, :case["ranks"][slot]] = True
+    return defined.view(t, s * rank_max).to(case["x"].device)
+
+
+@pytest.mark.parametrize("num_tokens,hidden", [(24, 600), (70, 1030)])
+def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
+    """The in-launch sum equals the [P, T, S*R] partials added in split order, bit for bit,
+    launch after launch (the counters go back to zero each time), and so does the expand."""
+    case = make_case(11, hidden, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.2, max_tokens=80)
+    sr = 3 * 16
+    cfg = shrink_config(num_tokens, hidden, sr)
+    assert cfg.split_k > 1  # decode (T=24) and prefill (T=70) shapes both split K here
+    meta, counters = case["meta"], case["meta"].tile_counters
+    args = (case["x"], case["a"], case["slot_rank"], meta, 3)
+    parts = torch.full((cfg.split_k, num_tokens, sr), float("nan"), device=DEVICE)
+    lora_shrink(*args, parts)
+    defined = defined_mask(case, 16)
+    expected = torch.zeros(num_tokens, sr, device=DEVICE)
+    for p in parts:  # split 0, 1, ... in turn
+        expected = expected + torch.where(defined, p, 0.0)
+
+    first = None
+    for _ in range(2):
+        out = torch.full((num_tokens, sr), float("nan"), device=DEVICE)
+        lora_shrink(*args, out)
+        assert not counters.any()
+        assert torch.equal(out[defined], expected[defined])
+        first = out if first is None else first
+        assert torch.equal(out[defined], first[defined])
+    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], meta.token_slots, 3)
+    check_shrink_result(case, first, ref, 16)
+
+    y0 = torch.randn(num_tokens, 72, generator=case["gen"]).to(DEVICE)
+    y_summed, y_parts = y0.clone(), y0.clone()
+    lora_expand(torch.where(defined, first, float("nan")), case["b"], case["slot_rank"], meta,
+                case["offsets"], y_summed)
+    lora_expand(parts, case["b"], case["slot_rank"], meta, case["offsets"], y_parts)
+    assert torch.equal(y_summed, y_parts)
+
+
+def test_lora_apply_reuses_the_counters_across_sizes():
+    """Launches of different T (decode and prefill shapes, K split 5 and 2 ways) on one builder
+    leave the counters at zero and each matches the reference."""
+    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, device=DEVICE)
+    assert builder.meta.tile_counters.shape == (5 + 4, COUNTER_ROW_TILES)
+    rng = np.random.default_rng(4)
+    gen = torch.Generator().manual_seed(4)
+    a, b, slot_rank = make_weights(4, (40, 32), 16, 1030, [16, 5, 0, 8], torch.float32, DEVICE, gen)
+    offsets = offsets_of((40, 32))
+    for num_tokens in (1, 70, 24, 70, 3):
+        slots = rng.integers(-1, 4, num_tokens)
+        meta = builder.build(slots)
+        x = torch.randn(num_tokens, 1030, generator=gen).to(DEVICE)
+        y0 = torch.randn(num_tokens, 72, generator=gen).to(DEVICE)
+        y_kernel, y_ref = y0.clone(), y0.clone()
+        lora_apply(x, y_kernel, a, b, slot_rank, meta, offsets)
+        lora_apply_ref(x, y_ref, a, b, slot_rank, meta, offsets)
+        assert not meta.tile_counters.any()
+        info = dict(slots=slots, ranks=[16, 5, 0, 8])
+        check_expand_result(info, y0, y_kernel, y_ref)
+
+
 def test_meta_builder_groups_tokens_by_slot():
     builder = LoRAMetaBuilder(max_tokens=50, max_loras=6, device="cpu")
     rng = np.random.default_rng(3)
@@ -213,6 +287,7 @@ def test_meta_builder_groups_tokens_by_slot():
             assert sorted_ids[start:start + count] == expected
         assert sorted(sorted_ids[:t]) == list(range(t))
         assert sorted_ids[t:] == [-1] * (50 - t)
+        assert meta.tile_counters.shape == (4 + 6, COUNTER_ROW_TILES) and not meta.tile_counters.any()
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -241,3 +316,7 @@ def test_kernels_reject_bad_input():
         lora_expand(out, case["b"], case["slot_rank"], case["meta"], (0, 40, 30, 64), y)
     with pytest.raises(ValueError, match="lora_b"):
         lora_expand(out, case["b"], case["slot_rank"], case["meta"], (0, 32, 64), y.half())
+    wide = make_case(2, 300, (400, 400), 400, 2, 4, "uniform", 0.0)  # S*R = 800: 50 row tiles of 16
+    with pytest.raises(ValueError, match="tile_counters"):
+        lora_shrink(wide["x"], wide["a"], wide["slot_rank"], wide["meta"], 2,
+                    torch.empty(4, 800, device=DEVICE), ShrinkConfig(16, 16, 128, 2))

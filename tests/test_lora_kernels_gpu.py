@@ -3,7 +3,9 @@
 Same oracle and poisoning as tests/test_lora_kernels.py (NaN beyond each rank
 and in empty slots, NaN-poisoned shrink output, random expand output, the
 elements checked as there), at real sizes: hidden up to 8192 and non-multiples of the
-tiles, ranks 1..64 mixed, 1..16 slots, T from 1 to 4096.
+tiles, ranks 1..64 mixed, 1..16 slots, T from 1 to 4096. The split-K shrink's
+in-launch sum (whichever program arrives last) is bit-identical launch after
+launch and graph replay after replay, and leaves its tile counters at zero.
 """
 import numpy as np
 import pytest
@@ -13,9 +15,9 @@ from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_meta import LoRAMetaBuilder
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import lora_shrink
+from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
-                               make_case, make_weights, offsets_of, poisoned_inter)
+                               defined_mask, make_case, make_weights, offsets_of, poisoned_inter)
 
 pytestmark = pytest.mark.gpu
 
@@ -34,6 +36,8 @@ CASES = [
     (4096, (4096, 1024, 1024), 16, 4, 17, "uniform", 1.0),
     (100, (72, 36), 8, 3, 2000, "distinct", 0.25),
     (5000, (14336,), 64, 9, 129, "identical", 0.4),
+    (4096, (14336, 14336), 16, 8, 64, "uniform", 0.1),  # the wide decode expand
+    (14336, (4096,), 64, 16, 256, "skewed", 0.1),  # decode shrink at its largest T, 16-way split
 ]
 
 
@@ -66,8 +70,11 @@ def test_kernels_match_reference_gpu(index, dtype):
 
 @pytest.mark.parametrize("num_tokens", [8, 300])
 def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
-    """Capture shrink, expand and lora_apply once; then change everything they read."""
-    num_loras, rank_max, hidden, sizes = 6, 16, 1024, (256, 64, 64)  # hidden 1024: a 4-way split-K shrink
+    """Capture shrink, expand and lora_apply once; then change everything they read.
+
+    hidden 2048 splits the shrink's K (8 ways at T=8, 2 at T=300): every replay reuses the tile
+    counters, and a replay on unchanged inputs gives bit-identical results."""
+    num_loras, rank_max, hidden, sizes = 6, 16, 2048, (256, 64, 64)
     dtype, offsets, n_out = torch.bfloat16, offsets_of(sizes), sum(sizes)
     gen, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
     builder = LoRAMetaBuilder(num_tokens, num_loras, "cuda")
@@ -115,6 +122,12 @@ def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
         graphs[0].replay()
         ref = lora_shrink_ref(x, a, slot_rank, token_slots, len(sizes))
         check_shrink_result(info, inter, ref, rank_max, rtol=1e-3, atol=1e-3)
+        first = inter.clone()
+        inter.fill_(float("nan"))
+        graphs[0].replay()
+        defined = defined_mask(dict(info, x=x), rank_max)
+        assert torch.equal(inter[defined], first[defined])
+        assert not meta.tile_counters.any()
 
         y0 = torch.randn(num_tokens, n_out, generator=gen).to("cuda", dtype)
         y.copy_(y0)
@@ -128,6 +141,30 @@ def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
         y_ref = y0.clone()
         lora_apply_ref(x, y_ref, a, b, slot_rank, meta, offsets)
         check_expand_result(info, y0, y, y_ref, rtol=2e-2, atol=2e-2)
+        assert not meta.tile_counters.any()
+
+
+@pytest.mark.parametrize("num_tokens,hidden,sizes", [(64, 4096, (14336, 14336)), (8, 14336, (4096,)),
+                                                     (4096, 4096, (4096, 1024, 1024))])
+def test_split_k_shrink_is_bit_identical_run_to_run(num_tokens, hidden, sizes):
+    """Whichever program of a tile arrives last, the sum is the partials added in split order."""
+    case = make_case(17, hidden, sizes, 16, 8, num_tokens, "uniform", 0.1, dtype=torch.bfloat16,
+                     device="cuda")
+    sr = len(sizes) * 16
+    cfg = shrink_config(num_tokens, hidden, sr)
+    assert cfg.split_k > 1
+    args = (case["x"], case["a"], case["slot_rank"], case["meta"], len(sizes))
+    parts = torch.full((cfg.split_k, num_tokens, sr), float("nan"), device="cuda")
+    lora_shrink(*args, parts)
+    defined = defined_mask(case, 16)
+    expected = torch.zeros(num_tokens, sr, device="cuda")
+    for p in parts:  # split 0, 1, ... in turn
+        expected = expected + torch.where(defined, p, 0.0)
+    for _ in range(50):
+        out = torch.full((num_tokens, sr), float("nan"), device="cuda")
+        lora_shrink(*args, out)
+        assert torch.equal(out[defined], expected[defined])
+    assert not case["meta"].tile_counters.any()
 
 
 def test_meta_builder_back_to_back_builds():

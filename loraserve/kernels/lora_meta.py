@@ -5,11 +5,20 @@ with a start and a count per slot. The grouping is computed on the host with
 numpy, written into a pinned staging buffer and sent to static device buffers
 with one non-blocking copy, so a step needs no GPU sort and no host sync, and
 CUDA graphs captured once keep reading the same device addresses.
+
+The builder also owns the split-K shrink's tile counters: a static int32
+buffer, zero between launches, with which the programs of one output tile
+elect the last of them to add up their partial sums (lora_shrink).
 """
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+# The tile counters cover every grid a shrink can launch with at most max_tokens tokens,
+# token tiles of at least COUNTER_BLOCK_M tokens and at most COUNTER_ROW_TILES row tiles.
+COUNTER_BLOCK_M = 16
+COUNTER_ROW_TILES = 32
 
 
 @dataclass
@@ -20,12 +29,17 @@ class LoRAMeta:
     sorted_token_ids: [Tmax] int32, token ids grouped by slot (stable order)
     slot_start:       [L] int32, where slot l's tokens begin in sorted_token_ids
     slot_count:       [L] int32, how many tokens use slot l
+    tile_counters:    [token tiles, COUNTER_ROW_TILES] int32, zero between shrink launches; a
+                      split-K shrink counts its finished programs per (token tile, row tile) here
+                      and its last program puts the count back to 0. Launches that share these
+                      counters must run one after another (stream-ordered, as the engine's are).
     """
 
     token_slots: torch.Tensor
     sorted_token_ids: torch.Tensor
     slot_start: torch.Tensor
     slot_count: torch.Tensor
+    tile_counters: torch.Tensor
 
 
 class LoRAMetaBuilder:
@@ -36,6 +50,7 @@ class LoRAMetaBuilder:
     in turn; before one is overwritten, the event recorded after its previous
     copy is awaited, so a copy still in flight is never corrupted. The copy is
     issued on the current stream, ahead of the kernels that read the metadata.
+    The tile counters are zeroed once here and never copied over.
     """
 
     def __init__(self, max_tokens: int, max_loras: int, device):
@@ -53,7 +68,10 @@ class LoRAMetaBuilder:
                          for _ in range(2 if is_cuda else 1)]
         self._copy_done = [torch.cuda.Event() if is_cuda else None for _ in self._staging]
         self._next = 0
-        self.meta = LoRAMeta(*self._split(self._device_buf))
+        # counters: [cdiv(Tmax, 16) + min(L, Tmax), COUNTER_ROW_TILES], one per shrink output tile
+        tiles = -(-max_tokens // COUNTER_BLOCK_M) + min(max_loras, max_tokens)
+        counters = torch.zeros(tiles, COUNTER_ROW_TILES, dtype=torch.int32, device=self.device)
+        self.meta = LoRAMeta(*self._split(self._device_buf), counters)
 
     def _split(self, buf):
         t, n = self.max_tokens, self.max_loras

@@ -2,15 +2,19 @@
 
 `lora_apply` runs the Triton kernels on CUDA tensors (and on CPU tensors under
 TRITON_INTERPRET=1), otherwise the torch reference. The kernel shape is chosen
-by the static token count T alone, so a CUDA graph bucket always gets the same
-kernels: the shrink is decode-shaped (16-token tiles, K split up to 16 ways so
-that the few adapters' A rows are streamed by many programs) for
-T <= SHRINK_DECODE_MAX_TOKENS (256), the expand (16-token tiles) for
-T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the prefill shapes (larger
-tiles, little split; from T = 1024 each expand program walks 4 column tiles).
-Nothing here reads metadata on the host, syncs or allocates beyond the
-[P, T, S*R] float32 split-K partials (summed by the expand, so a layer costs two
-launches), so `lora_apply` can be captured in a CUDA graph.
+by the static token count T alone (and the layer's static sizes), so a CUDA
+graph bucket always gets the same kernels: the shrink is decode-shaped
+(16-token tiles, K split up to 16 ways so that the few adapters' A rows are
+streamed by many programs) for T <= SHRINK_DECODE_MAX_TOKENS (256), the expand
+(16-token tiles; outputs of at least EXPAND_WIDE_MIN_COLUMNS walk 2 column
+tiles per program) for T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the
+prefill shapes (larger tiles, little split; from T = 1024 each expand program
+walks 4 column tiles). The shrink adds up its own split-K partials (the last
+program of each output tile, counted on meta.tile_counters), so the expand
+reads one [T, S*R] float32 intermediate and a layer costs two launches.
+Nothing here reads metadata on the host, syncs or allocates beyond that
+intermediate and the shrink's partials scratch (static shapes), so `lora_apply`
+can be captured in a CUDA graph; calls sharing one meta must be stream-ordered.
 """
 import os
 
@@ -19,7 +23,7 @@ import torch
 from loraserve.kernels.lora_expand import EXPAND_DECODE_MAX_TOKENS, lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, lora_shrink, shrink_splits
+from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, lora_shrink
 
 __all__ = ["EXPAND_DECODE_MAX_TOKENS", "SHRINK_DECODE_MAX_TOKENS", "lora_apply",
            "lora_apply_ref"]
@@ -31,15 +35,16 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
-    """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R]."""
+    """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
+
+    y has the weights' dtype, or is a float32 delta that a later kernel adds to the base output.
+    """
     if not _use_triton(x):
         lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
         return
     num_slices = len(slice_offsets) - 1
-    num_tokens, sr = x.shape[0], lora_a.shape[1]
-    # inter: [P, T, S*R] split-K partials, summed by the expand: two launches per layer
-    inter = torch.empty(shrink_splits(num_tokens, x.shape[1], sr), num_tokens, sr, dtype=torch.float32,
-                        device=x.device)
+    # inter: [T, S*R] float32, the shrink's split-K partials already summed
+    inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
     lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y)
 

@@ -11,11 +11,17 @@ beyond the rank are masked, so they are neither read nor counted.
 
 Two static shapes: decode (T <= SHRINK_DECODE_MAX_TOKENS) splits K up to 16
 ways so that the few tiles of each adapter still spread its A rows over many
-programs (each split writes its partial sums to a scratch slice, summed in a
-fixed order afterwards: no atomics, so results are deterministic run to run,
-which the start-up graph-vs-eager check relies on);
-prefill uses larger token and row tiles. The choice depends on T alone, so one
-CUDA graph bucket always runs the same kernel.
+programs; prefill uses larger token and row tiles and splits K at most 4 ways.
+The split-K programs of one output tile add up their partial sums in the same
+launch: each stores its partial to a scratch slice and counts itself on the
+tile's counter (LoRAMeta.tile_counters, acquire-release atomic); the last one
+loads the other partials, sums all of them in split order (so the result is
+bit-identical whichever program comes last, which the start-up graph-vs-eager
+check relies on), writes the tile and puts the counter back to 0 for the next
+launch (so the kernel replays in a CUDA graph any number of times). Given a
+[P, T, S*R] output instead, the partials are left there for lora_expand to
+add. The choice depends on T alone, so one CUDA graph bucket always runs the
+same kernel.
 """
 from dataclasses import dataclass
 
@@ -23,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.lora_meta import LoRAMeta
+from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMeta
 
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
 # H200 with 8 adapters: at T = 128..256 the prefill shape leaves too few programs.
@@ -41,12 +47,16 @@ class ShrinkConfig:
 
 
 def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
-    """The static kernel shape for T tokens, `hidden` input features and S*R rows."""
+    """The static kernel shape for T tokens, `hidden` input features and S*R rows.
+
+    Row tiles are widened where S*R would need more than COUNTER_ROW_TILES of them.
+    """
+    min_block_n = max(16, triton.next_power_of_2(triton.cdiv(sr, COUNTER_ROW_TILES)))
     if num_tokens <= SHRINK_DECODE_MAX_TOKENS:
-        return ShrinkConfig(16, 16, 128, max(1, min(16, triton.cdiv(hidden, 256))))
-    block_n = max(16, min(64, triton.next_power_of_2(sr)))
+        return ShrinkConfig(16, min_block_n, 128, max(1, min(16, triton.cdiv(hidden, 256))))
+    block_n = max(min_block_n, min(64, triton.next_power_of_2(sr)))
     return ShrinkConfig(64, block_n, 64, max(1, min(4, triton.cdiv(hidden, 1024))),
-                        num_warps=8 if block_n == 64 else 4, num_stages=4)
+                        num_warps=8 if block_n >= 64 else 4, num_stages=4)
 
 
 @triton.jit
@@ -71,13 +81,14 @@ def slot_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras,
             tl.sum(tl.where(mine, start, 0), 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _shrink_kernel(
-    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, out_ptr,
+    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, part_ptr, out_ptr, counter_ptr,
     num_tokens, hidden, sr, rank_max, num_loras, k_per_split,
-    stride_xt, stride_xk, stride_al, stride_an, stride_ak, stride_os, stride_ot, stride_on,
+    stride_xt, stride_xk, stride_al, stride_an, stride_ak, stride_ps, stride_pt, stride_pn,
+    stride_ot, stride_on, stride_ct,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     n_tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
@@ -105,9 +116,21 @@ def _shrink_kernel(
                     mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
         acc += tl.dot(x, a, input_precision=PRECISION)
 
-    out = (out_ptr + split.to(tl.int64) * stride_os + tok.to(tl.int64)[:, None] * stride_ot
-           + rows[None, :] * stride_on)
-    tl.store(out, acc, mask=tok_ok[:, None] & (rows < sr)[None, :])
+    mask = tok_ok[:, None] & (rows < sr)[None, :]
+    # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
+    part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + rows[None, :] * stride_pn
+    tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
+    if REDUCE:
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        counter = counter_ptr + tl.program_id(1) * stride_ct + n_tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the SPLIT_K
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order, whichever program is last
+                # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
+                total += tl.load(part + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on,
+                     total, mask=mask)
+            tl.store(counter, 0)
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
@@ -115,13 +138,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
                 config: ShrinkConfig | None = None) -> None:
     """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
 
+    A split-K shrink sums its partials in the same launch (meta.tile_counters).
     With out: [P, T, S*R] (P = shrink_splits(...)) the split-K partial sums are
-    left in their slices for lora_expand to add up, which saves a launch.
+    instead left in their slices for lora_expand to add up.
 
     Defined on return: out[t, s*R + r] for every token t with a slot and
     r < slot_rank[slot] (what lora_expand reads). Other elements are
     unspecified (zero or untouched). meta must have been built from at most T
-    token slots (the grid is sized for T). `config` overrides the static
+    token slots (the grid is sized for T). Launches sharing meta's counters
+    must be stream-ordered (never concurrent). `config` overrides the static
     kernel shape (tests, tuning).
     """
     num_tokens, hidden = x.shape
@@ -139,28 +164,38 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
-    # partial: [split_k, T, S*R]; each split writes its own slice. Given a 2-D out, the slices are
-    # summed into it in a fixed order; given a 3-D out, lora_expand sums them as it reads them.
-    if out.dim() == 3:
-        partial = out
-    elif cfg.split_k == 1:
-        partial = out.unsqueeze(0)
-    else:
-        partial = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
     grid = (triton.cdiv(sr, cfg.block_n) * cfg.split_k,
             triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    reduce = out.dim() == 2 and cfg.split_k > 1
+    # partial: [split_k, T, S*R]; each split writes its own slice (the last one of a tile sums them into out)
+    if out.dim() == 3:
+        partial = out
+    elif not reduce:
+        partial = out.unsqueeze(0)
+    else:
+        check_counters(meta.tile_counters, grid[1], grid[0] // cfg.split_k)
+        partial = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
+    k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
     _shrink_kernel[grid](
-        x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, partial,
+        x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, partial, out,
+        meta.tile_counters,
         num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        partial.stride(0), partial.stride(1), partial.stride(2),
+        partial.stride(0), partial.stride(1), partial.stride(2), out.stride(-2), out.stride(-1),
+        meta.tile_counters.stride(0),
         LORAS_P2=loras_p2(num_loras), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, PRECISION=dot_precision(x.dtype),
+        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if out.dim() == 2 and cfg.split_k > 1:
-        torch.sum(partial, dim=0, out=out)
+
+
+def check_counters(counters: torch.Tensor, token_tiles: int, row_tiles: int):
+    """Raise ValueError unless the tile counters cover a grid of token_tiles x row_tiles output tiles."""
+    if counters.dtype != torch.int32 or counters.dim() != 2 or counters.shape[0] < token_tiles \
+            or counters.shape[1] < row_tiles:
+        raise ValueError(f"meta.tile_counters {list(counters.shape)} {counters.dtype} do not cover "
+                         f"{token_tiles} token tiles x {row_tiles} row tiles (int32): the shrink config's "
+                         f"token tiles are too small or its row tiles too many")
 
 
 def shrink_splits(num_tokens: int, hidden: int, sr: int) -> int:
