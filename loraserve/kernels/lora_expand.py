@@ -3,17 +3,12 @@
 One launch covers every slice of a packed layer (q/k/v, gate/up) and every
 slot. The grid is static: groups of col_tiles column tiles of the packed
 output times the same flat token-tile axis as the shrink (cdiv(T, BLOCK_M) +
-min(L, T)), mapped to (slot, tile within slot) in the kernel. Programs past
-the last tile return at once; the K loop runs over the slot's own rank only
-(in steps of BLOCK_R), so a rank-8 adapter in a rank-64 buffer reads and
-computes rank 8. Each program walks its column tiles, requesting the y tile
-and the first B ranks of the next one before computing and storing the
-current one. A column tile that straddles a slice boundary handles each slice
-under a mask. The sum is added into y in place (y may be a column range of a
-larger tensor, or a float32 delta); rows of tokens without a slot are never
-touched. inter is normally the shrink's summed [T, S*R]; a [P, T, S*R] stack
-of split-K partials is added up as it is loaded (by every program that reads
-it).
+min(L, T)), mapped to (slot, tile within slot) in the kernel. Programs past the last tile return
+at once; the K loop runs over the slot's own rank only (in steps of BLOCK_R),
+so a rank-8 adapter in a rank-64 buffer reads and computes rank 8. A column
+tile that straddles a slice boundary handles each slice under a mask. The sum
+is added into y in place (y may be a column range of a larger tensor); rows of
+tokens without a slot are never touched.
 """
 from dataclasses import dataclass
 
@@ -26,8 +21,6 @@ from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, s
 
 # Token counts up to this use the decode-shaped expand (16-token tiles).
 EXPAND_DECODE_MAX_TOKENS = 64
-# Decode outputs at least this wide (gate/up of Llama-3-8B: 2 x 14336) take the wide decode shape.
-EXPAND_WIDE_MIN_COLUMNS = 16384
 
 
 @dataclass(frozen=True)
@@ -40,86 +33,45 @@ class ExpandConfig:
     col_tiles: int = 1  # column tiles each program handles in turn
 
 
-def expand_config(num_tokens: int, n_out: int) -> ExpandConfig:
-    """The static kernel shape for T tokens and N output columns.
+def expand_config(num_tokens: int) -> ExpandConfig:
+    """The static kernel shape for T tokens.
 
     Large T: each program walks 4 column tiles, which spreads the cost of
     finding its tokens (measured 15% faster at T=4096, N=28672 on an H200).
-    Wide decode outputs: each program walks 2 column tiles (one in flight while
-    the other is computed) with 4 warps, so fewer programs wait on the metadata.
     """
     if num_tokens <= EXPAND_DECODE_MAX_TOKENS:
-        if n_out >= EXPAND_WIDE_MIN_COLUMNS:
-            return ExpandConfig(16, 128, 16, num_warps=4, col_tiles=2)
         return ExpandConfig(16, 128, 16, num_warps=2)
     return ExpandConfig(32, 128, 16, num_warps=4, col_tiles=4 if num_tokens >= 1024 else 1)
 
 
 @triton.jit
-def _inter_step(inter_rows, tok_ok, first, offs_r, r_ok, stride_ip, stride_ir, NUM_PARTS: tl.constexpr):
-    """inter[tokens, first + offs_r] under r_ok: [BLOCK_M, BLOCK_R], the split-K partials added in order."""
-    ptrs = inter_rows[:, None] + (first + offs_r)[None, :] * stride_ir
-    mask = tok_ok[:, None] & r_ok[None, :]
-    a = tl.load(ptrs, mask=mask, other=0.0)
-    for part in tl.static_range(1, NUM_PARTS):
-        a += tl.load(ptrs + part * stride_ip, mask=mask, other=0.0)
-    return a
-
-
-@triton.jit
-def _expand_tiles(inter_rows, y_rows, b_slot, tok_ok, rank, rank_max, n_out, col_group,
-                  stride_ip, stride_ir, stride_bn, stride_br, stride_yn,
-                  SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  COL_TILES: tl.constexpr, PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr):
-    """y[tokens, COL_TILES column tiles] += inter . B^T over the first `rank` ranks, slice by slice.
+def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                        stride_ip, stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
+                        NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_PARTS: tl.constexpr):
+    """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
 
     The caller guarantees rank % RANK_ALIGN == 0. Writing the rank mask's bound
     as a multiple of RANK_ALIGN (8) lets the compiler see that the mask covers
     whole 16-byte vectors, so B and inter are read with vector loads.
-    The y tile and the first BLOCK_R ranks of the B tile of column tile j+1 are
-    requested before tile j is computed and stored, so consecutive tiles' loads
-    overlap (inter rows are re-read from L1).
     """
-    rank_end = (rank // RANK_ALIGN) * RANK_ALIGN  # == rank
-    offs_r = tl.arange(0, BLOCK_R)
-    r_ok = offs_r < rank_end
-    cols = col_group * COL_TILES * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
-    y_next = tl.load(y_rows[:, None] + cols[None, :] * stride_yn,
-                     mask=tok_ok[:, None] & (cols < n_out)[None, :], other=0.0)  # [BLOCK_M, BLOCK_N]
-    b_next = tl.load(b_slot + cols[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                     mask=r_ok[:, None] & (cols < n_out)[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-    for j in range(COL_TILES):
-        col0 = (col_group * COL_TILES + j) * BLOCK_N
-        cols = col0 + tl.arange(0, BLOCK_N)
-        y_old = y_next
-        b_first = b_next
-        # request tile j+1 (nothing past the last tile: its columns count as beyond n_out)
-        nxt = cols + BLOCK_N
-        nxt_end = tl.where(j + 1 < COL_TILES, n_out, 0)
-        y_next = tl.load(y_rows[:, None] + nxt[None, :] * stride_yn,
-                         mask=tok_ok[:, None] & (nxt < nxt_end)[None, :], other=0.0)
-        b_next = tl.load(b_slot + nxt[None, :] * stride_bn + offs_r[:, None] * stride_br,
-                         mask=r_ok[:, None] & (nxt < nxt_end)[None, :], other=0.0)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for s in tl.static_range(NUM_SLICES):
-            lo = SLICE_OFFSETS[s]
-            hi = SLICE_OFFSETS[s + 1]
-            if (col0 < hi) & (col0 + BLOCK_N > lo):
-                col_ok = (cols >= lo) & (cols < hi)
-                a = _inter_step(inter_rows, tok_ok, s * rank_max, offs_r, r_ok, stride_ip, stride_ir,
-                                NUM_PARTS)  # a: [BLOCK_M, BLOCK_R]
-                b = tl.where(col_ok[None, :], b_first, 0.0)
+    for s in tl.static_range(NUM_SLICES):
+        lo = SLICE_OFFSETS[s]
+        hi = SLICE_OFFSETS[s + 1]
+        if (col0 < hi) & (col0 + BLOCK_N > lo):
+            col_ok = (cols >= lo) & (cols < hi)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < (rank // RANK_ALIGN) * RANK_ALIGN
+                b = tl.load(b_cols + offs_r[:, None] * stride_br,
+                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+                a_ptrs = inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir
+                a_mask = tok_ok[:, None] & r_ok[None, :]
+                a = tl.load(a_ptrs, mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
+                for part in tl.static_range(1, NUM_PARTS):  # split-K partials, added in a fixed order
+                    a += tl.load(a_ptrs + part * stride_ip, mask=a_mask, other=0.0)
                 acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
-                for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks beyond the first BLOCK_R
-                    ok = r0 + offs_r < rank_end
-                    b = tl.load(b_slot + cols[None, :] * stride_bn + (r0 + offs_r)[:, None] * stride_br,
-                                mask=ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                    a = _inter_step(inter_rows, tok_ok, s * rank_max + r0, offs_r, ok, stride_ip, stride_ir,
-                                    NUM_PARTS)
-                    acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
-        tl.store(y_rows[:, None] + cols[None, :] * stride_yn, (y_old.to(tl.float32) + acc).to(y_old.dtype),
-                 mask=tok_ok[:, None] & (cols < n_out)[None, :])
+    return acc
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
@@ -128,8 +80,8 @@ def _expand_kernel(
     num_tokens, n_out, rank_max, num_loras,
     stride_ip, stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
-    LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, COL_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
                                                  num_loras, LORAS_P2, BLOCK_M)
@@ -138,17 +90,27 @@ def _expand_kernel(
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
     tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-    inter_rows = inter_ptr + tok.to(tl.int64) * stride_it  # [BLOCK_M] pointers
-    y_rows = y_ptr + tok.to(tl.int64) * stride_yt
+    inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
+    y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
-    if rank % 8 == 0:
-        _expand_tiles(inter_rows, y_rows, b_slot, tok_ok, rank, rank_max, n_out, tl.program_id(0),
-                      stride_ip, stride_ir, stride_bn, stride_br, stride_yn, SLICE_OFFSETS, NUM_SLICES,
-                      NUM_PARTS, BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, PRECISION, 8)
-    else:
-        _expand_tiles(inter_rows, y_rows, b_slot, tok_ok, rank, rank_max, n_out, tl.program_id(0),
-                      stride_ip, stride_ir, stride_bn, stride_br, stride_yn, SLICE_OFFSETS, NUM_SLICES,
-                      NUM_PARTS, BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, PRECISION, 1)
+    for j in range(COL_TILES):
+        col0 = (tl.program_id(0) * COL_TILES + j) * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+        # y is read before the products so that its load overlaps theirs
+        mask = tok_ok[:, None] & (cols < n_out)[None, :]
+        old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+        b_cols = b_slot + cols[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        if rank % 8 == 0:
+            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                      BLOCK_R, PRECISION, 8, NUM_PARTS)
+        else:
+            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                      BLOCK_R, PRECISION, 1, NUM_PARTS)
+        tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + acc).to(old.dtype),
+                 mask=mask)
 
 
 def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
@@ -158,8 +120,8 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
 
     y has B's dtype, or float32 (a separate LoRA delta that a later kernel adds to the base output).
 
-    inter may also be [P, T, S*R]: split-K partial sums (lora_shrink given a
-    3-D out), added here in a fixed order as they are loaded.
+    inter may also be [P, T, S*R]: the shrink's split-K partial sums, added here
+    (in a fixed order) as they are loaded.
 
     slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.
     Rows of tokens without a slot are untouched. meta must have been built
@@ -184,7 +146,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
-    cfg = config or expand_config(num_tokens, n_out)
+    cfg = config or expand_config(num_tokens)
     grid = (triton.cdiv(triton.cdiv(n_out, cfg.block_n), cfg.col_tiles),
             triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
     _expand_kernel[grid](

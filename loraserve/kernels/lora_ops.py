@@ -6,8 +6,7 @@ by the static token count T alone (and the layer's static sizes), so a CUDA
 graph bucket always gets the same kernels: the shrink is decode-shaped
 (16-token tiles, K split up to 16 ways so that the few adapters' A rows are
 streamed by many programs) for T <= SHRINK_DECODE_MAX_TOKENS (256), the expand
-(16-token tiles; outputs of at least EXPAND_WIDE_MIN_COLUMNS walk 2 column
-tiles per program) for T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the
+(16-token tiles) for T <= EXPAND_DECODE_MAX_TOKENS (64); larger T take the
 prefill shapes (larger tiles, little split; from T = 1024 each expand program
 walks 4 column tiles). The shrink adds up its own split-K partials (the last
 program of each output tile, counted on meta.tile_counters), so the expand
