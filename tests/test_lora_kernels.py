@@ -203,6 +203,19 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
+def test_lora_apply_into_a_zeroed_float32_delta():
+    """zero_y=True: a float32 y (poisoned with NaN) ends as exactly the LoRA product, 0 on base rows."""
+    case = make_case(8, 72, (40, 16, 16), 16, 4, 24, "uniform", 0.3, max_tokens=64)
+    args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
+    delta = torch.full((24, 72), float("nan"), device=DEVICE)
+    lora_apply(case["x"], delta, *args, zero_y=True)
+    want = torch.zeros(24, 72, device=DEVICE)
+    lora_apply_ref(case["x"], want, *args)
+    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+    base_rows = torch.tensor([s < 0 for s in case["slots"]], device=DEVICE)
+    assert base_rows.any() and torch.equal(delta[base_rows], torch.zeros_like(delta[base_rows]))
+
+
 def defined_mask(case, rank_max):
     """[T, S*R] bool: the shrink outputs lora_expand reads (a slot's token, r < rank)."""
     t, s = len(case["slots"]), case["num_slices"]
