@@ -9,6 +9,11 @@ so a rank-8 adapter in a rank-64 buffer reads and computes rank 8. A column
 tile that straddles a slice boundary handles each slice under a mask. The sum
 is added into y in place (y may be a column range of a larger tensor); rows of
 tokens without a slot are never touched.
+
+With overwrite=True the kernel writes y = product instead, without reading y:
+the token-tile axis then also covers the rows of slots of rank 0 and of tokens
+without a slot (one more group, the base tokens at the end of the sorted ids),
+which get zeros. That fills a float32 LoRA delta with no memset before it.
 """
 from dataclasses import dataclass
 
@@ -74,6 +79,32 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
     return acc
 
 
+@triton.jit
+def _row_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras, num_tokens,
+              LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Map a flat token-tile index to (group, tile within group, rank, count, start) over every row:
+    groups 0..L-1 are the slots (whatever their rank), group L the tokens without a slot (sorted after
+    every slot's). group > L past the last tile. One memory round trip, as slot_tile."""
+    slots = tl.arange(0, LORAS_P2)
+    ok = slots < num_loras
+    count = tl.load(count_ptr + slots, mask=ok, other=0)  # count: [LORAS_P2]
+    rank = tl.load(rank_ptr + slots, mask=ok, other=0)
+    start = tl.load(start_ptr + slots, mask=ok, other=0)
+    tiles = (count + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    slot_tiles = tl.sum(tiles, 0)
+    base_count = num_tokens - tl.sum(count, 0)
+    is_base = tile >= slot_tiles  # the base tokens' group, or past the end
+    base_tile = tile - slot_tiles
+    slot = tl.sum((ends <= tile).to(tl.int32), 0)
+    mine = slots == slot
+    group = tl.where(is_base, tl.where(base_tile * BLOCK_M < base_count, num_loras, num_loras + 1), slot)
+    m_tile = tl.where(is_base, base_tile, tile - tl.sum(tl.where(mine, ends - tiles, 0), 0))
+    return (group, m_tile, tl.where(is_base, 0, tl.sum(tl.where(mine, rank, 0), 0)),
+            tl.where(is_base, base_count, tl.sum(tl.where(mine, count, 0), 0)),
+            tl.where(is_base, num_tokens - base_count, tl.sum(tl.where(mine, start, 0), 0)))
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
@@ -81,12 +112,18 @@ def _expand_kernel(
     stride_ip, stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    COL_TILES: tl.constexpr, PRECISION: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
 ):
-    slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
-                                                 num_loras, LORAS_P2, BLOCK_M)
-    if slot >= num_loras:
-        return
+    if OVERWRITE:
+        slot, m_tile, rank, count, start = _row_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
+                                                     num_loras, num_tokens, LORAS_P2, BLOCK_M)
+        if slot > num_loras:
+            return
+    else:
+        slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
+                                                     num_loras, LORAS_P2, BLOCK_M)
+        if slot >= num_loras:
+            return
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
     tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
@@ -98,7 +135,10 @@ def _expand_kernel(
         cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
         # y is read before the products so that its load overlaps theirs
         mask = tok_ok[:, None] & (cols < n_out)[None, :]
-        old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+        if OVERWRITE:
+            old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+        else:
+            old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
         b_cols = b_slot + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if rank % 8 == 0:
@@ -115,8 +155,11 @@ def _expand_kernel(
 
 def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
                 meta: LoRAMeta, slice_offsets: tuple[int, ...], y: torch.Tensor,
-                config: ExpandConfig | None = None) -> None:
+                config: ExpandConfig | None = None, overwrite: bool = False) -> None:
     """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
+
+    overwrite: y = the product instead (every row written, zeros for tokens without a slot or with a
+    rank-0 slot; y is not read).
 
     y has B's dtype, or float32 (a separate LoRA delta that a later kernel adds to the base output).
 
@@ -147,8 +190,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
+    # token tiles: cdiv(T, BM) + one partial tile per group (min(L, T) slots, + the base group)
     grid = (triton.cdiv(triton.cdiv(n_out, cfg.block_n), cfg.col_tiles),
-            triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+            triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
     _expand_kernel[grid](
         parts, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
         num_tokens, n_out, rank_max, num_loras,
@@ -157,6 +201,6 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices, NUM_PARTS=parts.shape[0],
         LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
-        PRECISION=dot_precision(lora_b.dtype),
+        PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

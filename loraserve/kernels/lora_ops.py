@@ -38,8 +38,8 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
 
     y has the weights' dtype, or is a float32 delta that a later kernel adds to the base output.
-    zero_y: y = LoRA(x) instead; y is zeroed after the shrink is launched (the shrink does not read y),
-    so that the shrink starts at once.
+    zero_y: y = LoRA(x) instead: the expand writes every row of y (zeros where a token has no
+    adapter) without reading it, so no memset delays the shrink and expand.
     """
     if not _use_triton(x):
         if zero_y:
@@ -50,9 +50,7 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
     inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
-    if zero_y:
-        y.zero_()
-    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y)
+    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, overwrite=zero_y)
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
