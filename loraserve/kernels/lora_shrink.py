@@ -46,18 +46,14 @@ class ShrinkConfig:
     num_stages: int = 3
 
 
-def shrink_config(num_tokens: int, hidden: int, sr: int, num_slices: int = 1) -> ShrinkConfig:
+def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
     """The static kernel shape for T tokens, `hidden` input features and S*R rows.
 
     Row tiles are widened where S*R would need more than COUNTER_ROW_TILES of them.
-    Decode: one row tile per slice up to R = 64 (rows beyond an adapter's rank are
-    masked, not read), so a rank-64 buffer launches 4x fewer programs than with
-    16-row tiles; inside the decode graphs those programs run beside the base GEMMs.
     """
     min_block_n = max(16, triton.next_power_of_2(triton.cdiv(sr, COUNTER_ROW_TILES)))
     if num_tokens <= SHRINK_DECODE_MAX_TOKENS:
-        block_n = max(min_block_n, min(64, triton.next_power_of_2(sr // num_slices)))
-        return ShrinkConfig(16, block_n, 128, max(1, min(16, triton.cdiv(hidden, 256))))
+        return ShrinkConfig(16, min_block_n, 128, max(1, min(16, triton.cdiv(hidden, 256))))
     block_n = max(min_block_n, min(64, triton.next_power_of_2(sr)))
     return ShrinkConfig(64, block_n, 64, max(1, min(4, triton.cdiv(hidden, 1024))),
                         num_warps=8 if block_n >= 64 else 4, num_stages=4)
@@ -161,7 +157,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
         raise ValueError(f"lora_a's {sr} rows do not split into {num_slices} slices")
     if x.dtype != lora_a.dtype:
         raise ValueError(f"x is {x.dtype} but lora_a is {lora_a.dtype}")
-    cfg = config or shrink_config(num_tokens, hidden, sr, num_slices)
+    cfg = config or shrink_config(num_tokens, hidden, sr)
     if out.dtype != torch.float32 or out.shape not in ((num_tokens, sr), (cfg.split_k, num_tokens, sr)):
         raise ValueError(f"out must be [{num_tokens}, {sr}] or [{cfg.split_k}, {num_tokens}, {sr}] float32, "
                          f"got {list(out.shape)} {out.dtype}")
