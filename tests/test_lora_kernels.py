@@ -205,14 +205,14 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
 
 @pytest.mark.parametrize("num_tokens", [1, 24, 70])
 def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens):
-    """zero_y=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows
+    """overwrite=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows
     and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes)."""
     case = make_case(8, 72, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.3, max_tokens=80)
     slot_rank = case["slot_rank"].clone()
     slot_rank[int(np.max(case["slots"]))] = 0  # an adapter that does not target this layer
     args = (case["a"], case["b"], slot_rank, case["meta"], case["offsets"])
     delta = torch.full((num_tokens, 72), float("nan"), device=DEVICE)
-    lora_apply(case["x"], delta, *args, zero_y=True)
+    lora_apply(case["x"], delta, *args, overwrite=True)
     want = torch.zeros(num_tokens, 72, device=DEVICE)
     lora_apply_ref(case["x"], want, *args)
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)

@@ -34,15 +34,15 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
-               zero_y: bool = False) -> None:
+               overwrite: bool = False) -> None:
     """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
 
     y has the weights' dtype, or is a float32 delta that a later kernel adds to the base output.
-    zero_y: y = LoRA(x) instead: the expand writes every row of y (zeros where a token has no
+    overwrite: y = LoRA(x) instead: the expand writes every row of y (zeros where a token has no
     adapter) without reading it, so no memset delays the shrink and expand.
     """
     if not _use_triton(x):
-        if zero_y:
+        if overwrite:
             y.zero_()
         lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
         return
@@ -50,7 +50,7 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
     inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
-    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, overwrite=zero_y)
+    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, overwrite=overwrite)
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

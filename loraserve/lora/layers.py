@@ -79,7 +79,7 @@ class LoRALinear(nn.Module):
         delta = torch.empty(x.shape[0], self.base.out_features, dtype=torch.float32, device=x.device)
         side.wait_stream(main)  # x, the metadata and the slot weights are ready
         with torch.cuda.stream(side):
-            lora_apply(x, delta, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets, zero_y=True)
+            lora_apply(x, delta, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets, overwrite=True)
         y, _ = self.base(x)
         main.wait_stream(side)
         return y, delta

@@ -83,7 +83,7 @@ class CUDAGraphRunner:
                                  seq_lens=i.seq_lens[:batch], query_start_loc=i.query_start_loc[:batch + 1],
                                  max_query_len=1, is_decode=True)
         lora = self.lora_meta_builder.meta if self.lora_meta_builder is not None else None
-        return ForwardContext(attn, lora, self.lora_stream if lora is not None else None)
+        return ForwardContext(attn, lora, self.lora_stream)
 
     def _forward(self, batch: int) -> torch.Tensor:
         ctx = self._context(batch)

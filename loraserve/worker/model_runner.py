@@ -198,9 +198,9 @@ class ModelRunner:
             return None
         if in_flight is None or in_flight.samples is None:
             raise RuntimeError("a pending token is scheduled but no step is in flight")
-        source_of = {id(seq): i for i, seq in enumerate(in_flight.sequences)}
+        source_of = {seq: i for i, seq in enumerate(in_flight.sequences)}
         owners = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1  # [K] scheduled index per row
-        sources = np.array([source_of[id(scheduled[i].seq)] for i in owners.tolist()], dtype=np.int64)
+        sources = np.array([source_of[scheduled[i].seq] for i in owners.tolist()], dtype=np.int64)
         return PendingTokenFill(rows.astype(np.int64), sources, in_flight.samples.tokens)
 
     @torch.inference_mode()
@@ -217,7 +217,7 @@ class ModelRunner:
         if fill is not None:
             fill.apply(input_ids)
         hidden = self.model(input_ids, self._to_device(inputs.positions),
-                            ForwardContext(attn, lora, self.lora_stream if lora is not None else None))
+                            ForwardContext(attn, lora, self.lora_stream))
         return hidden[self._to_device(inputs.logits_rows)]
 
     @torch.inference_mode()
@@ -229,9 +229,9 @@ class ModelRunner:
         fill = self.pending_fill(inputs, out.scheduled, in_flight)
         graphs = self.graph_runner
         n = len(inputs.input_ids)
-        if inputs.is_decode and graphs is not None and graphs.can_run(n):
+        bucket = graphs.bucket_for(n) if inputs.is_decode and graphs is not None else None
+        if bucket is not None:
             lora = inputs.token_lora_slots if self.lora_meta_builder is not None else None
-            bucket = graphs.bucket_for(n)
             graphs.write_inputs(inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.seq_lens,
                                 inputs.block_tables, lora, bucket)
             if fill is not None:
