@@ -174,3 +174,19 @@ def test_cuda_graph_replay():
         assert torch.equal(outs[2], want_q)
         assert torch.equal(caches.nan_to_num(), want_caches.nan_to_num())
         assert torch.equal(outs[3], silu_and_mul_ref(gate_up))
+
+
+def test_cached_launches_follow_pointer_alignment():
+    """The launcher re-dispatches when an input stops being 16-byte aligned (Triton's vector loads
+    assume it): aligned, then misaligned, then aligned inputs all match the reference."""
+    dtype, num_tokens = torch.bfloat16, 5
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    weight = rand(HIDDEN, dtype=dtype, gen=gen)
+    storage = rand(num_tokens * HIDDEN + 1, dtype=dtype, gen=gen)
+    aligned = storage[:-1].view(num_tokens, HIDDEN)
+    shifted = storage[1:].view(num_tokens, HIDDEN)  # 2 bytes past the allocation's alignment
+    assert shifted.data_ptr() % 16 != 0
+    for x in (aligned, shifted, aligned, shifted):
+        got = rms_norm(x, weight, EPS)[0]
+        assert_norm_close(got, rms_norm_ref(x, weight, EPS)[0])
+        assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))

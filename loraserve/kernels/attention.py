@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.kernels.launch import CachedLauncher, next_power_of_2
+
 _LOG2E = 1.4426950408889634
 # Running max before any key: finite, so exp2(m_old - m_new) never computes inf - inf.
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -130,6 +132,9 @@ def _decode_kernel(
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=g_mask)
 
 
+_decode_launch = CachedLauncher(_decode_kernel)
+
+
 @triton.jit
 def _decode_reduce_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_ob, stride_oh,
@@ -150,6 +155,9 @@ def _decode_reduce_kernel(
     l_tot = tl.sum(w * l, 0)
     o = tl.sum(acc * w[:, None], 0) / tl.where(l_tot > 0, l_tot, 1.0)  # [D]
     tl.store(out_ptr + b * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+_decode_reduce_launch = CachedLauncher(_decode_reduce_kernel)
 
 
 @triton.jit
@@ -204,6 +212,9 @@ def _prefill_kernel(
     o = acc / l_i[:, None]  # every valid row sees at least key 0
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+_prefill_launch = CachedLauncher(_prefill_kernel)
 
 
 def _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out) -> None:
@@ -273,22 +284,22 @@ def paged_decode_attention(
                               dtype=torch.float32, device=q.device)  # [B, H, S, (m, l)]
     else:
         part_acc = part_ml = out  # unused by the kernel when SPLIT is False
-    _decode_kernel[(batch, num_kv_heads, num_splits)](
+    _decode_launch((batch, num_kv_heads, num_splits),
         q, k_cache, v_cache, block_tables, seq_lens, out, part_acc, part_ml,
         scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=config.block_n, SPLIT=num_splits > 1,
         DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
-        _decode_reduce_kernel[(batch, num_heads)](
+        _decode_reduce_launch((batch, num_heads),
             part_acc, part_ml, out, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim,
-            SPLITS_P2=triton.next_power_of_2(num_splits), num_warps=4,
+            SPLITS_P2=next_power_of_2(num_splits), num_warps=4,
         )
 
 
@@ -314,7 +325,7 @@ def paged_prefill_attention(
     if num_seqs == 0 or max_query_len == 0:
         return
     grid = (num_heads, math.ceil(max_query_len / config.block_m), num_seqs)
-    _prefill_kernel[grid](
+    _prefill_launch(grid,
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
         scale * _LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -20,6 +20,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2
+
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
 
@@ -53,6 +55,9 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_rms_norm_launch = CachedLauncher(_rms_norm_kernel)
+
+
 def rms_norm(
     x: torch.Tensor,  # [T, D]
     weight: torch.Tensor,  # [D]
@@ -81,12 +86,12 @@ def rms_norm(
         res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, res_out
-    block_d = triton.next_power_of_2(dim)
+    block_d = next_power_of_2(dim)
     num_warps = 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
     res_in = x if residual is None else residual
     res_dst = out if res_out is None else res_out
     delta = x if x_delta is None else x_delta
-    _rms_norm_kernel[(num_tokens,)](
+    _rms_norm_launch((num_tokens,),
         x, delta, res_in, weight, out, res_dst,
         x.stride(0), delta.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
         dim, 1.0 / dim, eps,
@@ -122,6 +127,9 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
 
+_silu_and_mul_launch = CachedLauncher(_silu_and_mul_kernel)
+
+
 def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
     """[T, 2I] (+ delta [T, 2I] float32) -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
 
@@ -138,9 +146,9 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0:
         return out
-    grid = (num_tokens, triton.cdiv(inter, _SILU_BLOCK))
+    grid = (num_tokens, cdiv(inter, _SILU_BLOCK))
     d = gate_up if delta is None else delta
-    _silu_and_mul_kernel[grid](gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
+    _silu_and_mul_launch(grid, gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
                                HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
                                enable_fp_fusion=False)
     return out
@@ -219,6 +227,9 @@ def _rotary_and_cache_kernel(
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+_rotary_and_cache_launch = CachedLauncher(_rotary_and_cache_kernel)
+
+
 def rotary_and_cache(
     q: torch.Tensor,  # [T, H, hd]
     k: torch.Tensor,  # [T, KVH, hd]
@@ -255,10 +266,10 @@ def rotary_and_cache(
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
-    block_half = triton.next_power_of_2(half)
-    hb = max(1, min(_ROTARY_TILE // block_half, triton.next_power_of_2(max(num_heads, num_kv_heads))))
-    grid = (num_tokens, triton.cdiv(num_heads, hb) + triton.cdiv(num_kv_heads, hb))
-    _rotary_and_cache_kernel[grid](
+    block_half = next_power_of_2(half)
+    hb = max(1, min(_ROTARY_TILE // block_half, next_power_of_2(max(num_heads, num_kv_heads))))
+    grid = (num_tokens, cdiv(num_heads, hb) + cdiv(num_kv_heads, hb))
+    _rotary_and_cache_launch(grid,
         q, k, v, dq, dk, dv, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), cos_sin.stride(0),

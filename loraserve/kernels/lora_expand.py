@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from loraserve.kernels.launch import CachedLauncher, cdiv
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, slot_tile
+from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, pdl_supported, slot_tile
 
 # Token counts up to this use the decode-shaped expand (16-token tiles).
 EXPAND_DECODE_MAX_TOKENS = 64
@@ -112,7 +113,7 @@ def _expand_kernel(
     stride_ip, stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PDL: tl.constexpr,
 ):
     if OVERWRITE:
         slot, m_tile, rank, count, start = _row_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
@@ -127,6 +128,8 @@ def _expand_kernel(
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
     tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+    if PDL:  # launched early beside the shrink: wait for its intermediate before reading it
+        tl.extra.cuda.gdc_wait()
     inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
     y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
@@ -153,9 +156,12 @@ def _expand_kernel(
                  mask=mask)
 
 
+_expand_launch = CachedLauncher(_expand_kernel)
+
+
 def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
                 meta: LoRAMeta, slice_offsets: tuple[int, ...], y: torch.Tensor,
-                config: ExpandConfig | None = None, overwrite: bool = False) -> None:
+                config: ExpandConfig | None = None, overwrite: bool = False, after_shrink: bool = False) -> None:
     """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
 
     overwrite: y = the product instead (every row written, zeros for tokens without a slot or with a
@@ -165,6 +171,11 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
 
     inter may also be [P, T, S*R]: the shrink's split-K partial sums, added here
     (in a fixed order) as they are loaded.
+
+    after_shrink: the kernel launched last on this stream is the lora_shrink that wrote inter. On
+    Hopper the expand then launches early (programmatic dependent launch): it finds its tokens while
+    the shrink finishes and waits for it only before reading inter. Leave it False otherwise: the
+    slot ranks and metadata are read before that wait.
 
     slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.
     Rows of tokens without a slot are untouched. meta must have been built
@@ -190,10 +201,12 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
+    pdl = after_shrink and pdl_supported(y)
+    launch_options = dict(launch_pdl=True) if pdl else {}
     # token tiles: cdiv(T, BM) + one partial tile per group (min(L, T) slots, + the base group)
-    grid = (triton.cdiv(triton.cdiv(n_out, cfg.block_n), cfg.col_tiles),
-            triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
-    _expand_kernel[grid](
+    grid = (cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles),
+            cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
+    _expand_launch(grid,
         parts, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
         num_tokens, n_out, rank_max, num_loras,
         parts.stride(0), parts.stride(1), parts.stride(2),
@@ -202,5 +215,5 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
         LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
     )

@@ -50,7 +50,7 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
     inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
-    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, overwrite=overwrite)
+    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, overwrite=overwrite, after_shrink=True)
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -23,12 +23,14 @@ launch (so the kernel replays in a CUDA graph any number of times). Given a
 add. The choice depends on T alone, so one CUDA graph bucket always runs the
 same kernel.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMeta
 
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
@@ -51,11 +53,11 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
 
     Row tiles are widened where S*R would need more than COUNTER_ROW_TILES of them.
     """
-    min_block_n = max(16, triton.next_power_of_2(triton.cdiv(sr, COUNTER_ROW_TILES)))
+    min_block_n = max(16, next_power_of_2(cdiv(sr, COUNTER_ROW_TILES)))
     if num_tokens <= SHRINK_DECODE_MAX_TOKENS:
-        return ShrinkConfig(16, min_block_n, 128, max(1, min(16, triton.cdiv(hidden, 256))))
-    block_n = max(min_block_n, min(64, triton.next_power_of_2(sr)))
-    return ShrinkConfig(64, block_n, 64, max(1, min(4, triton.cdiv(hidden, 1024))),
+        return ShrinkConfig(16, min_block_n, 128, max(1, min(16, cdiv(hidden, 256))))
+    block_n = max(min_block_n, min(64, next_power_of_2(sr)))
+    return ShrinkConfig(64, block_n, 64, max(1, min(4, cdiv(hidden, 1024))),
                         num_warps=8 if block_n >= 64 else 4, num_stages=4)
 
 
@@ -89,7 +91,10 @@ def _shrink_kernel(
     stride_ot, stride_on, stride_ct,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the expand launched after this may start its prologue now (it waits before reading out)
+        tl.extra.cuda.gdc_launch_dependents()
     n_tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
     slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
@@ -133,6 +138,9 @@ def _shrink_kernel(
             tl.store(counter, 0)
 
 
+_shrink_launch = CachedLauncher(_shrink_kernel)
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
                 meta: LoRAMeta, num_slices: int, out: torch.Tensor,
                 config: ShrinkConfig | None = None) -> None:
@@ -164,8 +172,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
-    grid = (triton.cdiv(sr, cfg.block_n) * cfg.split_k,
-            triton.cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    grid = (cdiv(sr, cfg.block_n) * cfg.split_k,
+            cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
     reduce = out.dim() == 2 and cfg.split_k > 1
     # partial: [split_k, T, S*R]; each split writes its own slice (the last one of a tile sums them into out)
     if out.dim() == 3:
@@ -175,8 +183,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     else:
         check_counters(meta.tile_counters, grid[1], grid[0] // cfg.split_k)
         partial = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
-    k_per_split = triton.cdiv(triton.cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
-    _shrink_kernel[grid](
+    k_per_split = cdiv(cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
+    _shrink_launch(grid,
         x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, partial, out,
         meta.tile_counters,
         num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,
@@ -185,7 +193,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
         meta.tile_counters.stride(0),
         LORAS_P2=loras_p2(num_loras), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PDL=pdl_supported(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -198,6 +206,16 @@ def check_counters(counters: torch.Tensor, token_tiles: int, row_tiles: int):
                          f"token tiles are too small or its row tiles too many")
 
 
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (a kernel starting while the one before it finishes): Hopper and later."""
+    return t.is_cuda and _major_capability(t.get_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
 def shrink_splits(num_tokens: int, hidden: int, sr: int) -> int:
     """How many split-K partial slices the shrink writes for this static shape."""
     return shrink_config(num_tokens, hidden, sr).split_k
@@ -205,7 +223,7 @@ def shrink_splits(num_tokens: int, hidden: int, sr: int) -> int:
 
 def loras_p2(num_loras: int) -> int:
     """Width of the in-kernel slot vector: one compiled kernel serves every L <= 16."""
-    return max(16, triton.next_power_of_2(num_loras))
+    return max(16, next_power_of_2(num_loras))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

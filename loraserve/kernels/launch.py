@@ -1,0 +1,70 @@
+"""Cheap launches of Triton kernels from Python: argument binding once per specialization, plain-int grid math.
+
+`kernel[grid](...)` binds and specializes every argument in Python on every
+call (30-50 us on the GPU machine for a kernel of 15-37 arguments), which is
+most of the host cost of an eager step and of capturing the CUDA graphs. A
+`CachedLauncher` keys each call on what Triton specializes on (each tensor's
+dtype and 16-byte alignment; each integer's value, or only its width for the
+arguments marked do_not_specialize; every other argument's value, the launch
+options included), asks Triton for the compiled kernel the first time it sees
+a key, and afterwards launches that compiled kernel directly on Triton's
+current device and stream. The key is finer than Triton's own specialization,
+so the kernel launched is always the one Triton would have chosen. Under
+TRITON_INTERPRET=1 every call goes through Triton (the interpreter compiles
+nothing).
+
+The cache is a memo of compiled kernels held by the launcher object, the same
+kind of state as Triton's own per-kernel cache. It grows with distinct keys:
+layer shapes and dtypes (a do_not_specialize'd token count stays one entry).
+
+`cdiv` and `next_power_of_2` are the host-side grid helpers: triton's own are
+constexpr functions, about 10 us per call from Python.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from triton.compiler import CompiledKernel
+from triton.runtime import driver
+
+_INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+class CachedLauncher:
+    """launcher(grid, *args, **named): the same as kernel[grid](*args, **named), cheaper after the first call."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        fn = getattr(kernel, "fn", kernel)  # the Python function under triton.jit
+        self.arg_names = tuple(inspect.signature(fn).parameters)
+        unspecialized = set(getattr(kernel, "do_not_specialize", ()) or ())
+        self._unspecialized = tuple(i for i, name in enumerate(self.arg_names)
+                                    if name in unspecialized or i in unspecialized)
+        self._compiled: dict[tuple, CompiledKernel] = {}
+
+    def __call__(self, grid: tuple[int, ...], *args, **named) -> None:
+        # params: every kernel parameter in order; the ones after the positional args come by name
+        params = args + tuple(named[name] for name in self.arg_names[len(args):])
+        key = [(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in params]
+        for i in self._unspecialized:  # Triton keys these on their integer width only
+            key[i] = _INT32_MIN <= key[i] <= _INT32_MAX
+        key.append(tuple(item for item in named.items() if item[0] not in self.arg_names))  # launch options
+        key = tuple(key)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self.kernel[grid](*args, **named)  # binds, specializes, compiles if need be, launches
+            if isinstance(compiled, CompiledKernel):
+                self._compiled[key] = compiled
+            return
+        grid3 = tuple(grid) + (1,) * (3 - len(grid))
+        device = driver.active.get_current_device()
+        compiled[grid3](*params, stream=driver.active.get_current_stream(device))
