@@ -96,22 +96,25 @@ def test_silu_and_mul(dtype, num_tokens):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens", [1, 64, 300])
-def test_lora_delta_inputs(dtype, num_tokens):
-    """With float32 LoRA deltas the kernels match the references (bit for bit but the norm's last ulp)."""
+@pytest.mark.parametrize("delta_in_model_dtype", [False, True])
+def test_lora_delta_inputs(dtype, num_tokens, delta_in_model_dtype):
+    """With LoRA deltas (float32, or the model dtype as the engine's) the kernels match the references
+    (bit for bit but the norm's last ulp)."""
     gen = torch.Generator(device="cuda").manual_seed(num_tokens)
+    delta_dtype = dtype if delta_in_model_dtype else torch.float32
     weight = (1.0 + 0.1 * torch.randn(HIDDEN, generator=gen, device="cuda")).to(dtype)
     x, residual = rand(num_tokens, HIDDEN, dtype=dtype, gen=gen), rand(num_tokens, HIDDEN, dtype=dtype, gen=gen)
-    delta = rand(num_tokens, HIDDEN, dtype=torch.float32, gen=gen, scale=0.5)
+    delta = rand(num_tokens, HIDDEN, dtype=delta_dtype, gen=gen, scale=0.5)
     out, new_res = rms_norm(x, weight, EPS, residual, delta)
     want, want_res = rms_norm_ref(x, weight, EPS, residual, delta)
     assert_norm_close(out, want)
     assert torch.equal(new_res, want_res)
     gate_up = rand(num_tokens, 2 * INTER, dtype=dtype, gen=gen, scale=3.0)
-    gu_delta = rand(num_tokens, 2 * INTER, dtype=torch.float32, gen=gen)
+    gu_delta = rand(num_tokens, 2 * INTER, dtype=delta_dtype, gen=gen)
     assert torch.equal(silu_and_mul(gate_up, gu_delta), silu_and_mul_ref(gate_up, gu_delta))
     cos_sin = rotary_table()
     q, k, v, positions, slots, caches = rotary_inputs(num_tokens, dtype, gen)
-    deltas = tuple(rand(*t.shape, dtype=torch.float32, gen=gen) for t in (q, k, v))
+    deltas = tuple(rand(*t.shape, dtype=delta_dtype, gen=gen) for t in (q, k, v))
     got_caches, want_caches = caches.clone(), caches.clone()
     got_q = rotary_and_cache(q, k, v, positions, cos_sin, got_caches[0], got_caches[1], slots, deltas)
     want_q = rotary_and_cache_ref(q, k, v, positions, cos_sin, want_caches[0], want_caches[1], slots, deltas)

@@ -108,11 +108,20 @@ def check_shrink_result(case, out, ref, rank_max, rtol=1e-5, atol=1e-5):
 
 
 def check_expand_result(case, y_before, y_kernel, y_ref, rtol=1e-5, atol=1e-5):
-    """Rows without an adapter are bit-identical; every element matches the reference."""
+    """Rows without an adapter are bit-identical; every element matches the reference.
+
+    The product is rounded to y's dtype before it is added, so a product computed in another order
+    can round to a neighbouring value: the tolerance is relative to |y| + |product|, not to |y| alone
+    (where y and the product cancel, one rounding step of the product is large against the sum).
+    """
     untouched = torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]])
     untouched = untouched.to(y_kernel.device, torch.bool)
     assert torch.equal(y_kernel[untouched], y_before[untouched])
-    torch.testing.assert_close(y_kernel, y_ref, rtol=rtol, atol=atol)
+    got, want, before = y_kernel.float(), y_ref.float(), y_before.float()
+    tol = atol + rtol * (want.abs() + (want - before).abs())  # [T, N]
+    bad = (got - want).abs() > tol
+    assert not bad.any(), (f"{int(bad.sum())} of {bad.numel()} elements differ; "
+                           f"worst {(got - want).abs().max().item():.3g}")
 
 
 SPLIT_SHRINK = ShrinkConfig(16, 16, 32, 3)

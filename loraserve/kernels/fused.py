@@ -4,7 +4,7 @@
 - ``silu_and_mul``: ``silu(gate) * up`` on the packed gate/up output;
 - ``rotary_and_cache``: rotate-half rotary on q and k, plus the K/V cache write.
 
-Each takes an optional float32 LoRA delta of its input (the output of the
+Each takes an optional LoRA delta of its input (float32 or the model dtype) (the output of the
 projection before it, computed on a side stream, see lora/layers.py): the
 input becomes ``round(input + delta)`` to the model dtype, exactly what adding
 the LoRA product into the projection's output in place gives.
@@ -42,7 +42,7 @@ def _rms_norm_kernel(
     dtype = x.dtype
     xf = x.to(tl.float32)
     if HAS_DELTA:
-        d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)  # [BLOCK_D] fp32
+        d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_D]
         xf = (xf + d).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
@@ -63,7 +63,7 @@ def rms_norm(
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, D]
-    x_delta: torch.Tensor | None = None,  # [T, D] float32
+    x_delta: torch.Tensor | None = None,  # [T, D] float32 or x's dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
 
@@ -80,7 +80,7 @@ def rms_norm(
     out = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = None
     if x_delta is not None:
-        assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype == torch.float32
+        assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype in (torch.float32, x.dtype)
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
         res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
@@ -113,8 +113,8 @@ def _silu_and_mul_kernel(
     gate = tl.load(in_ptr + row * stride_in + cols, mask=mask, other=0.0)  # [BLOCK]
     up = tl.load(in_ptr + row * stride_in + inter + cols, mask=mask, other=0.0)
     if HAS_DELTA:
-        d_gate = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0)  # [BLOCK] fp32
-        d_up = tl.load(delta_ptr + row * stride_delta + inter + cols, mask=mask, other=0.0)
+        d_gate = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK]
+        d_up = tl.load(delta_ptr + row * stride_delta + inter + cols, mask=mask, other=0.0).to(tl.float32)
         gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
         up = (up.to(tl.float32) + d_up).to(up.dtype)
     g = gate.to(tl.float32)
@@ -131,7 +131,7 @@ _silu_and_mul_launch = CachedLauncher(_silu_and_mul_kernel)
 
 
 def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, 2I] (+ delta [T, 2I] float32) -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
+    """[T, 2I] (+ delta [T, 2I], float32 or the input dtype) -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
 
     silu is ``g / (1 + exp(-g))`` in fp32 (IEEE division, CUDA's ``expf`` via
     libdevice, as torch computes it) rounded to the input dtype, then the
@@ -141,7 +141,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     num_tokens, two_inter = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
     if delta is not None:
-        assert delta.shape == gate_up.shape and delta.stride(-1) == 1 and delta.dtype == torch.float32
+        assert delta.shape == gate_up.shape and delta.stride(-1) == 1 and delta.dtype in (torch.float32, gate_up.dtype)
     inter = two_inter // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if num_tokens == 0:
@@ -168,9 +168,9 @@ def _rotate_heads(
     x2 = tl.load(src + half, mask=mask, other=0.0)
     dtype = x1.dtype
     if HAS_DELTA:
-        dsrc = delta_ptr + heads[:, None] * stride_delta_h + d[None, :]  # [HB, BLOCK_HALF] fp32
-        x1 = (x1.to(tl.float32) + tl.load(dsrc, mask=mask, other=0.0)).to(dtype)
-        x2 = (x2.to(tl.float32) + tl.load(dsrc + half, mask=mask, other=0.0)).to(dtype)
+        dsrc = delta_ptr + heads[:, None] * stride_delta_h + d[None, :]  # [HB, BLOCK_HALF]
+        x1 = (x1.to(tl.float32) + tl.load(dsrc, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+        x2 = (x2.to(tl.float32) + tl.load(dsrc + half, mask=mask, other=0.0).to(tl.float32)).to(dtype)
     c = cos.to(dtype).to(tl.float32)[None, :]
     s = sin.to(dtype).to(tl.float32)[None, :]
     x1 = x1.to(tl.float32)
@@ -239,7 +239,7 @@ def rotary_and_cache(
     k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     slot_mapping: torch.Tensor,  # [T] int64, every entry a valid slot
-    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # float32, shaped as q, k, v
+    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # shaped as q, k, v; float32 or q's dtype
 ) -> torch.Tensor:  # [T, H, hd] rotated q (new contiguous tensor, dtype of q)
     """Rotary on q and k, rotated k and plain v written to the caches, in one launch; see ``rotary_and_cache_ref``.
 
@@ -261,7 +261,7 @@ def rotary_and_cache(
     if qkv_delta is not None:
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert dq.stride(-1) == dk.stride(-1) == dv.stride(-1) == 1
-        assert dq.dtype == dk.dtype == dv.dtype == torch.float32
+        assert dq.dtype == dk.dtype == dv.dtype and dq.dtype in (torch.float32, q.dtype)
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out

@@ -2,9 +2,10 @@
 
 They are the engine's CPU path and the kernels' test oracles. Every op rounds
 to the model dtype exactly where the HF Llama code does, so in bf16/fp16 they
-reproduce HF bit for bit. The optional float32 deltas (a projection's LoRA
-product, computed apart from it) are added to the input first and rounded to
-its dtype, as adding them in place into the projection's output would.
+reproduce HF bit for bit. The optional deltas (a projection's LoRA product,
+computed apart from it; float32 or the model dtype) are added to the input
+first and rounded to its dtype, as adding them in place into the projection's
+output would.
 """
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ def rms_norm_ref(
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, D]
-    x_delta: torch.Tensor | None = None,  # [T, D] float32
+    x_delta: torch.Tensor | None = None,  # [T, D] float32 or x's dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(RMSNorm(s), s or None) with ``s = x + residual`` rounded to ``x.dtype`` (``s = x`` without residual).
 
@@ -32,11 +33,11 @@ def rms_norm_ref(
 
 def with_delta(x: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
     """round(x + delta) to x's dtype, or x itself without a delta."""
-    return x if delta is None else (x.float() + delta).to(x.dtype)
+    return x if delta is None else (x.float() + delta.float()).to(x.dtype)
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, 2I] (+ delta [T, 2I] float32) -> [T, I]: ``silu(gate) * up`` in the input dtype (gate: the first I
+    """[T, 2I] (+ delta [T, 2I], float32 or the input dtype) -> [T, I]: ``silu(gate) * up`` in the input dtype (gate: the first I
     columns)."""
     gate, up = with_delta(gate_up, delta).chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -51,7 +52,7 @@ def rotary_and_cache_ref(
     k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     slot_mapping: torch.Tensor,  # [T] int, every entry a valid slot
-    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # float32, shaped as q, k, v
+    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # shaped as q, k, v
 ) -> torch.Tensor:  # [T, H, hd] rotated q, dtype of q
     """Rotate-half (NeoX) rotary on q and k, rotated k and plain v stored at ``slot_mapping``.
 

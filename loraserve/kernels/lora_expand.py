@@ -13,7 +13,10 @@ tokens without a slot are never touched.
 With overwrite=True the kernel writes y = product instead, without reading y:
 the token-tile axis then also covers the rows of slots of rank 0 and of tokens
 without a slot (one more group, the base tokens at the end of the sorted ids),
-which get zeros. That fills a float32 LoRA delta with no memset before it.
+which get zeros. That fills a LoRA delta with no memset before it.
+
+The product is rounded to y's dtype before the add: y = round(y + round(product)), what
+PEFT's separately computed LoRA output gives, and what adding a rounded delta later gives.
 """
 from dataclasses import dataclass
 
@@ -152,8 +155,8 @@ def _expand_kernel(
             acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
                                       stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
                                       BLOCK_R, PRECISION, 1, NUM_PARTS)
-        tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + acc).to(old.dtype),
-                 mask=mask)
+        product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
+        tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
 
 
 _expand_launch = CachedLauncher(_expand_kernel)
@@ -167,7 +170,8 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     overwrite: y = the product instead (every row written, zeros for tokens without a slot or with a
     rank-0 slot; y is not read).
 
-    y has B's dtype, or float32 (a separate LoRA delta that a later kernel adds to the base output).
+    y has B's dtype, or float32. With overwrite, y is a separate LoRA delta that a later kernel adds to
+    the base output. The product is rounded to y's dtype before it is added.
 
     inter may also be [P, T, S*R]: the shrink's split-K partial sums, added here
     (in a fixed order) as they are loaded.

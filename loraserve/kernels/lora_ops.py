@@ -37,7 +37,8 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
                overwrite: bool = False) -> None:
     """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
 
-    y has the weights' dtype, or is a float32 delta that a later kernel adds to the base output.
+    y has the weights' dtype (or is float32); with overwrite it is a LoRA delta that a later kernel adds
+    to the base output. The product is rounded to y's dtype before it is added (PEFT's rounding).
     overwrite: y = LoRA(x) instead: the expand writes every row of y (zeros where a token has no
     adapter) without reading it, so no memset delays the shrink and expand.
     """

@@ -44,7 +44,7 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tens
 
 def lora_expand_ref(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
                     token_slots: torch.Tensor, slice_offsets, y: torch.Tensor) -> None:
-    """In place: y[t, n] += inter[t, s*R + :r] . B[slot_t, n, :r] for n in slice s.
+    """In place: y[t, n] += round(inter[t, s*R + :r] . B[slot_t, n, :r]) for n in slice s (rounded to y's dtype).
 
     Rows of tokens without a slot are left untouched.
     """
@@ -60,4 +60,4 @@ def lora_expand_ref(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.
             a = inter[rows, s * rank_max:s * rank_max + rank].float()  # a: [n, r]
             b = lora_b[slot, lo:hi, :rank].float()  # b: [hi-lo, r]
             delta[:, lo:hi] = a @ b.T
-        y[rows] = (y[rows].float() + delta).to(y.dtype)
+        y[rows] = (y[rows].float() + delta.to(y.dtype).float()).to(y.dtype)  # the product rounds first

@@ -8,12 +8,13 @@ with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1
 
 Forward: with a LoRA side stream in the forward context and at most
 LORA_DELTA_MAX_TOKENS tokens (decode steps and their CUDA graphs), the LoRA
-product runs on the side stream into a float32 delta while the base GEMM runs
+product runs on the side stream into a delta (model dtype) while the base GEMM runs
 on the current stream; the two join before the next op, which adds the delta
 to its input (fused into the norm, SiLU and rotary kernels). The LoRA kernels
 thus leave the critical path of a decode step. Larger (prefill) steps add the
-product into the base output in place, in order: a [T, N] float32 delta would
-cost too much memory there. Both give the same numbers: round(y + product).
+product into the base output in place, in order: a [T, N] delta would
+cost too much memory there. Both give the same numbers: round(y + round(product)), the
+product rounded to the model dtype first, as PEFT's separate LoRA output is.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # x: [T, in] -> (y: [T, N], float32 LoRA delta of y: [T, N] or None when y already holds it)
+        # x: [T, in] -> (y: [T, N], LoRA delta of y: [T, N] in y's dtype, or None when y already holds it)
         meta = ctx.lora if ctx is not None else None
         if meta is None:
             return self.base(x)
@@ -80,8 +81,8 @@ class LoRALinear(nn.Module):
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         main = torch.cuda.current_stream(x.device)
-        # delta: [T, N] float32, allocated on the main stream, which frees it after the join
-        delta = torch.empty(x.shape[0], self.base.out_features, dtype=torch.float32, device=x.device)
+        # delta: [T, N] in the model dtype, allocated on the main stream, which frees it after the join
+        delta = torch.empty(x.shape[0], self.base.out_features, dtype=x.dtype, device=x.device)
         self._fork.record(main)
         side.wait_event(self._fork)  # x, the metadata and the slot weights are ready
         torch.cuda.set_stream(side)

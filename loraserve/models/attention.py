@@ -31,7 +31,7 @@ class PagedAttention(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, qkv_delta=None) -> torch.Tensor:
         # positions: [T]; q: [T, H, hd]; k, v: [T, KVH, hd] (views of the packed qkv) -> [T, H * hd];
-        # qkv_delta: float32 LoRA deltas shaped as q, k, v, or None
+        # qkv_delta: LoRA deltas shaped as q, k, v, or None
         q = rotary_and_cache(q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache,
                              meta.slot_mapping, qkv_delta)
         if q.is_cuda:

@@ -39,7 +39,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [T, D]
-        # returns (o_proj output [T, D], its float32 LoRA delta [T, D] or None)
+        # returns (o_proj output [T, D], its LoRA delta [T, D] or None)
         qkv, qkv_delta = self.qkv_proj(x, ctx)  # [T, q + 2 kv] each
         q, k, v = self.split_heads(qkv)
         deltas = None if qkv_delta is None else self.split_heads(qkv_delta)
@@ -64,7 +64,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # x: [T, D] -> (down_proj output [T, D], its float32 LoRA delta or None)
+        # x: [T, D] -> (down_proj output [T, D], its LoRA delta or None)
         gate_up, gate_up_delta = self.gate_up_proj(x, ctx)  # [T, 2I] each
         return self.down_proj(silu_and_mul(gate_up, gate_up_delta), ctx)
 
@@ -78,7 +78,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, x_delta, residual, ctx):
-        # x: [T, D] the previous layer's output, x_delta: its float32 LoRA delta or None, residual: [T, D]
+        # x: [T, D] the previous layer's output, x_delta: its LoRA delta or None, residual: [T, D]
         # the stream before it (None at layer 0); the residual adds (and LoRA deltas) are fused into the
         # norms: exactly HF's `residual + x` rounded to the dtype. Returns (x, x_delta, residual) for the next.
         if residual is None:
