@@ -9,9 +9,10 @@ and FLOPs / measured bf16 GEMM rate), the percentage of the floor, and the
 torch reference's time. Bytes: x rows and y rows (read + write) of tokens with
 an adapter, and the A and B rows of each used slot up to its rank.
 Writes lora_kernels.json and lora_kernels.png to --out. --sweep first times
-candidate kernel shapes (shrink and expand alone, each candidate in its own
-graph) and lora_apply with the split-K partials summed by the expand instead of
-the shrink, at decode and prefill points, and prints the fastest of each.
+candidate kernel shapes (each candidate in a shrink + expand pair, the other
+launch in its default shape, in its own graph) and lora_apply with the split-K
+partials summed by the expand instead of the shrink, at decode and prefill
+points, and prints the fastest of each.
 
     python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
@@ -146,6 +147,14 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
             return lambda: lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, inters[i], cfg)
         if kind == "expand":
             return lambda: lora_expand(inters[i], b, slot_rank, meta, layer.offsets, ys[i], cfg)
+        if kind in ("pair shrink", "pair expand"):  # both launches, one of them in the candidate shape
+
+            def pair():
+                lora_shrink(xs[i], a, slot_rank, meta, layer.num_slices, inters[i],
+                            cfg if kind == "pair shrink" else None)
+                lora_expand(inters[i], b, slot_rank, meta, layer.offsets, ys[i],
+                            cfg if kind == "pair expand" else None, after_shrink=True)
+            return pair
         # "apply_partials": the shrink leaves its split-K partials, the expand adds them as it loads
         parts = torch.empty(shrink_splits(num_tokens, layer.hidden, sr), num_tokens, sr, device="cuda")
 
@@ -214,8 +223,9 @@ def sweep(layers, rng, reps):
 
     Per point: lora_apply with its default shapes ("apply"), lora_apply with the
     split-K partials summed by the expand ("apply_partials", no in-launch
-    reduction), then every shrink and expand candidate alone (the shrink ones
-    sum their partials in the launch), and the fastest candidate of each.
+    reduction), then every shrink and expand candidate as part of a shrink + expand pair (the other
+    launch in its default shape; the expand launched after its shrink, as lora_apply does, so on
+    Hopper it overlaps the shrink's end), and the fastest candidate of each.
     """
     rows = []
     out = torch.empty(64, 48, device="cuda")
@@ -232,7 +242,7 @@ def sweep(layers, rng, reps):
             rows.append(dict(layer=name, T=num_tokens, kind=kind, config="default", us=us))
             print(f"sweep {name:8s} T={num_tokens:5d} {kind:14s} {us:9.2f} us  default shapes")
         shape = "decode" if num_tokens <= 64 else "prefill"
-        for kind, table in (("shrink", SHRINK_SWEEP), ("expand", EXPAND_SWEEP)):
+        for kind, table in (("pair shrink", SHRINK_SWEEP), ("pair expand", EXPAND_SWEEP)):
             timed = []
             for cfg in table[shape]:
                 us = graph_us([op(kind, i, cfg) for i in idx], reps)

@@ -18,6 +18,7 @@ which get zeros. That fills a LoRA delta with no memset before it.
 The product is rounded to y's dtype before the add: y = round(y + round(product)), what
 PEFT's separately computed LoRA output gives, and what adding a rounded delta later gives.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class ExpandConfig:
     col_tiles: int = 1  # column tiles each program handles in turn
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of an int, called for every launch
 def expand_config(num_tokens: int) -> ExpandConfig:
     """The static kernel shape for T tokens.
 
@@ -131,8 +133,6 @@ def _expand_kernel(
     offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
     tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-    if PDL:  # launched early beside the shrink: wait for its intermediate before reading it
-        tl.extra.cuda.gdc_wait()
     inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
     y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
     b_slot = b_ptr + slot.to(tl.int64) * stride_bl
@@ -145,6 +145,8 @@ def _expand_kernel(
             old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
         else:
             old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+        if PDL:  # launched early beside the shrink: wait for its intermediate (y was ready before it)
+            tl.extra.cuda.gdc_wait()
         b_cols = b_slot + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if rank % 8 == 0:
@@ -177,8 +179,8 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     (in a fixed order) as they are loaded.
 
     after_shrink: the kernel launched last on this stream is the lora_shrink that wrote inter. On
-    Hopper the expand then launches early (programmatic dependent launch): it finds its tokens while
-    the shrink finishes and waits for it only before reading inter. Leave it False otherwise: the
+    Hopper the expand then launches early (programmatic dependent launch): it finds its tokens and
+    loads y while the shrink finishes, and waits for it only before reading inter. Leave it False otherwise: the
     slot ranks and metadata are read before that wait.
 
     slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.

@@ -48,6 +48,7 @@ class ShrinkConfig:
     num_stages: int = 3
 
 
+@functools.lru_cache(maxsize=4096)  # a pure function of ints, called for every launch
 def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
     """The static kernel shape for T tokens, `hidden` input features and S*R rows.
 
