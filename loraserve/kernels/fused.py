@@ -20,10 +20,18 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2
+from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_supported
 
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
+
+
+def _pdl_options(t: torch.Tensor) -> dict:
+    """Each kernel here waits for the kernel before it first thing, so on Hopper it is launched as a
+    programmatic dependent launch: its launch overlaps the end of that kernel (a GEMM, mostly)."""
+    if pdl_supported(t):
+        return dict(PDL=True, launch_pdl=True)
+    return dict(PDL=False)
 
 
 @triton.jit
@@ -31,10 +39,12 @@ def _rms_norm_kernel(
     x_ptr, delta_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_delta, stride_res, stride_out, stride_res_out,
     dim, inv_dim, eps,
-    HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per row: x (+ delta, rounded), s = x (+ residual, rounded),
     out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
+    if PDL:  # launched early: wait for the kernel before it (it wrote x) before anything else
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
@@ -96,6 +106,7 @@ def rms_norm(
         x.stride(0), delta.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
         dim, 1.0 / dim, eps,
         HAS_DELTA=x_delta is not None, HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
+        **_pdl_options(x),
     )
     return out, res_out
 
@@ -103,10 +114,12 @@ def rms_norm(
 @triton.jit
 def _silu_and_mul_kernel(
     in_ptr, delta_ptr, out_ptr, stride_in, stride_delta, stride_out, inter,
-    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+    HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (row, block): out[row, cols] = round(round(silu(gate)) * up), silu in fp32
     (gate and up first rounded with their delta added)."""
+    if PDL:  # launched early: wait for the kernel before it (it wrote gate_up) before anything else
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -150,7 +163,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     d = gate_up if delta is None else delta
     _silu_and_mul_launch(grid, gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
                                HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
-                               enable_fp_fusion=False)
+                               enable_fp_fusion=False, **_pdl_options(gate_up))
     return out
 
 
@@ -192,9 +205,11 @@ def _rotary_and_cache_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
     stride_qot, stride_qoh,
     num_heads, num_kv_heads, block_size, half,
-    HAS_DELTA: tl.constexpr, HB: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    HAS_DELTA: tl.constexpr, HB: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (token, group): groups < cdiv(H, HB) rotate q heads; the rest rotate k and copy v to the cache."""
+    if PDL:  # launched early: wait for the kernel before it (it wrote q, k, v) before anything else
+        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     num_q_groups = tl.cdiv(num_heads, HB)
@@ -278,5 +293,6 @@ def rotary_and_cache(
         q_out.stride(0), q_out.stride(1),
         num_heads, num_kv_heads, k_cache.shape[1], half,
         HAS_DELTA=qkv_delta is not None, HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
+        **_pdl_options(q),
     )
     return q_out

@@ -18,10 +18,14 @@ kind of state as Triton's own per-kernel cache. It grows with distinct keys:
 layer shapes and dtypes (a do_not_specialize'd token count stays one entry).
 
 `cdiv` and `next_power_of_2` are the host-side grid helpers: triton's own are
-constexpr functions, about 10 us per call from Python.
+constexpr functions, about 10 us per call from Python. `pdl_supported` says
+whether a kernel may be launched as a programmatic dependent launch
+(`launch_pdl=True`: it may start while the kernel before it in the stream
+finishes; it must `gdc_wait()` before it reads anything that kernel writes).
 """
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -37,6 +41,16 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def pdl_supported(t: torch.Tensor) -> bool:
+    """Programmatic dependent launch (a kernel starting while the one before it finishes): Hopper and later."""
+    return t.is_cuda and _major_capability(t.get_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 class CachedLauncher:

@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.launch import CachedLauncher, cdiv
+from loraserve.kernels.launch import CachedLauncher, cdiv, pdl_supported
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, pdl_supported, slot_tile
+from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, slot_tile
 
 # Token counts up to this use the decode-shaped expand (16-token tiles).
 EXPAND_DECODE_MAX_TOKENS = 64
@@ -120,6 +120,10 @@ def _expand_kernel(
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PDL: tl.constexpr,
 ):
+    # With PDL, programs without a tile return before gdc_wait. That is safe: a program with a tile
+    # waits for the whole shrink grid, and the expand has a program with a slot tile exactly when the
+    # shrink has one (a slot with tokens and rank > 0), so whenever the shrink does anything the
+    # expand's completion implies the shrink's (what the next shrink, reusing the tile counters, needs).
     if OVERWRITE:
         slot, m_tile, rank, count, start = _row_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
                                                      num_loras, num_tokens, LORAS_P2, BLOCK_M)

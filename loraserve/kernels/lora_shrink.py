@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2
+from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_supported
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMeta
 
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
@@ -205,16 +205,6 @@ def check_counters(counters: torch.Tensor, token_tiles: int, row_tiles: int):
         raise ValueError(f"meta.tile_counters {list(counters.shape)} {counters.dtype} do not cover "
                          f"{token_tiles} token tiles x {row_tiles} row tiles (int32): the shrink config's "
                          f"token tiles are too small or its row tiles too many")
-
-
-def pdl_supported(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch (a kernel starting while the one before it finishes): Hopper and later."""
-    return t.is_cuda and _major_capability(t.get_device()) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _major_capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def shrink_splits(num_tokens: int, hidden: int, sr: int) -> int:
