@@ -54,7 +54,7 @@ class LoRALinear(nn.Module):
                                                    dtype=dtype), persistent=False)
         self.register_buffer("slot_rank", torch.zeros(max_loras, dtype=torch.int32, device=device),
                              persistent=False)
-        # the side stream's fork and join, reused every step (a new event per call costs ~60 us in a capture)
+        # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a capture)
         self._fork: torch.cuda.Event | None = None
         self._join: torch.cuda.Event | None = None
 
