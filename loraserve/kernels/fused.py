@@ -4,16 +4,19 @@
 - ``silu_and_mul``: ``silu(gate) * up`` on the packed gate/up output;
 - ``rotary_and_cache``: rotate-half rotary on q and k, plus the K/V cache write.
 
-Each takes an optional LoRA delta of its input (float32 or the model dtype) (the output of the
-projection before it, computed on a side stream, see lora/layers.py): the
-input becomes ``round(input + delta)`` to the model dtype, exactly what adding
-the LoRA product into the projection's output in place gives.
+Each takes an optional LoRA delta of its input, float32 or the model dtype:
+the LoRA product of the projection before it, computed on a side stream (see
+lora/layers.py). The input becomes ``round(input + delta)`` to the model
+dtype, exactly what adding the product into the projection's output in place
+gives.
 
 Semantics match ``fused_reference`` (see each function for the rounding).
 Inputs may be strided views whose last dim is contiguous; outputs are new
 ``torch.empty`` tensors, so every function can be captured in a CUDA graph.
 Kernels launch with ``enable_fp_fusion=False``: no FMA contraction, so each
-op rounds where torch's does.
+op rounds where torch's does. On Hopper they are programmatic dependent
+launches that wait for the kernel before them first thing: only the launch
+overlaps that kernel's end.
 """
 import torch
 import triton
