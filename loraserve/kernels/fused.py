@@ -23,18 +23,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_supported
+from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_launch
 
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
-
-
-def _pdl_options(t: torch.Tensor) -> dict:
-    """Each kernel here waits for the kernel before it first thing, so on Hopper it is launched as a
-    programmatic dependent launch: its launch overlaps the end of that kernel (a GEMM, mostly)."""
-    if pdl_supported(t):
-        return dict(PDL=True, launch_pdl=True)
-    return dict(PDL=False)
 
 
 @triton.jit
@@ -109,7 +101,7 @@ def rms_norm(
         x.stride(0), delta.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
         dim, 1.0 / dim, eps,
         HAS_DELTA=x_delta is not None, HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
-        **_pdl_options(x),
+        **pdl_launch(x),
     )
     return out, res_out
 
@@ -166,7 +158,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     d = gate_up if delta is None else delta
     _silu_and_mul_launch(grid, gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
                                HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
-                               enable_fp_fusion=False, **_pdl_options(gate_up))
+                               enable_fp_fusion=False, **pdl_launch(gate_up))
     return out
 
 
@@ -240,7 +232,7 @@ def _rotary_and_cache_kernel(
         v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)  # [HB, 2*BH]
         if HAS_DELTA:
             dv = tl.load(dv_ptr + t * stride_dvt + heads[:, None] * stride_dvh + cols[None, :], mask=mask)
-            v = (v.to(tl.float32) + dv).to(v.dtype)
+            v = (v.to(tl.float32) + dv.to(tl.float32)).to(v.dtype)
         v_dst = v_cache_ptr + blk * stride_vcb + off * stride_vcs + heads[:, None] * stride_vch + cols[None, :]
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -296,6 +288,6 @@ def rotary_and_cache(
         q_out.stride(0), q_out.stride(1),
         num_heads, num_kv_heads, k_cache.shape[1], half,
         HAS_DELTA=qkv_delta is not None, HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
-        **_pdl_options(q),
+        **pdl_launch(q),
     )
     return q_out

@@ -21,7 +21,8 @@ layer shapes and dtypes (a do_not_specialize'd token count stays one entry).
 constexpr functions, about 10 us per call from Python. `pdl_supported` says
 whether a kernel may be launched as a programmatic dependent launch
 (`launch_pdl=True`: it may start while the kernel before it in the stream
-finishes; it must `gdc_wait()` before it reads anything that kernel writes).
+finishes; it must `gdc_wait()` before it reads anything that kernel writes);
+`pdl_launch` gives the launch arguments.
 """
 from __future__ import annotations
 
@@ -48,6 +49,14 @@ def pdl_supported(t: torch.Tensor) -> bool:
     return t.is_cuda and _major_capability(t.get_device()) >= 9
 
 
+def pdl_launch(t: torch.Tensor, wanted: bool = True) -> dict:
+    """Launch arguments of a kernel with a `PDL: tl.constexpr` that gdc_wait()s when it is set: a
+    programmatic dependent launch where wanted and supported, a plain launch otherwise."""
+    if wanted and pdl_supported(t):
+        return dict(PDL=True, launch_pdl=True)
+    return dict(PDL=False)
+
+
 @functools.lru_cache(maxsize=None)
 def _major_capability(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
@@ -60,6 +69,7 @@ class CachedLauncher:
         self.kernel = kernel
         fn = getattr(kernel, "fn", kernel)  # the Python function under triton.jit
         self.arg_names = tuple(inspect.signature(fn).parameters)
+        self._arg_name_set = frozenset(self.arg_names)
         unspecialized = set(getattr(kernel, "do_not_specialize", ()) or ())
         self._unspecialized = tuple(i for i, name in enumerate(self.arg_names)
                                     if name in unspecialized or i in unspecialized)
@@ -71,7 +81,7 @@ class CachedLauncher:
         key = [(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in params]
         for i in self._unspecialized:  # Triton keys these on their integer width only
             key[i] = _INT32_MIN <= key[i] <= _INT32_MAX
-        key.append(tuple(item for item in named.items() if item[0] not in self.arg_names))  # launch options
+        key.append(tuple(item for item in named.items() if item[0] not in self._arg_name_set))  # launch options
         key = tuple(key)
         compiled = self._compiled.get(key)
         if compiled is None:

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.launch import CachedLauncher, cdiv, pdl_supported
+from loraserve.kernels.launch import CachedLauncher, cdiv, pdl_launch
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, slot_tile
 
@@ -211,8 +211,6 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
-    pdl = after_shrink and pdl_supported(y)
-    launch_options = dict(launch_pdl=True) if pdl else {}
     # token tiles: cdiv(T, BM) + one partial tile per group (min(L, T) slots, + the base group)
     grid = (cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles),
             cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
@@ -225,5 +223,5 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
         LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite,
-        PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
