@@ -14,6 +14,7 @@ import torch
 from hf_reference import load_hf_model, teacher_forced_logprobs
 from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
 from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.kernels.lora_meta import LoRAMetaBuilder
 from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
 
 pytestmark = pytest.mark.gpu
@@ -89,21 +90,26 @@ def test_side_stream_delta_equals_in_place_lora(setup):
     _, _, llm = setup
     runner = llm.engine.runner
     runner_slots = llm.engine.lora_manager.prepare_slots({"a0", "a1", "a3"}, set())
-    assert runner.lora_stream is not None
-    n = 9
-    token_slots = np.array([-1, runner_slots["a0"], runner_slots["a1"], runner_slots["a3"]] * 3)[:n]
+    assert runner.lora_side is not None
     dev = torch.device("cuda")
-    ids = torch.arange(3, 3 + n, device=dev)
-    positions = torch.zeros(n, dtype=torch.long, device=dev)
-    tables = torch.arange(n, dtype=torch.int32, device=dev).view(n, 1)
-    attn = AttentionMetadata(tables.view(-1).long() * runner.block_size, tables, torch.ones(n, dtype=torch.int32,
-                             device=dev), torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
-    outs = []
-    with torch.inference_mode():
-        for stream in (runner.lora_stream, None):
-            meta = runner.lora_meta_builder.build(token_slots)
-            outs.append(runner.model(ids, positions, ForwardContext(attn, meta, stream)).clone())
-    assert torch.equal(outs[0], outs[1])
+    other_builder = LoRAMetaBuilder(runner.lora_meta_builder.max_tokens, runner.lora_meta_builder.max_loras, dev)
+    # 9 and 5 tokens share kernel shapes (the bound side-stream launches), 100 has others; another
+    # metadata buffer must not be served by launches bound to the runner's
+    for n, builder in ((9, runner.lora_meta_builder), (5, runner.lora_meta_builder), (100, runner.lora_meta_builder),
+                       (5, other_builder)):
+        token_slots = np.array([-1, runner_slots["a0"], runner_slots["a1"], runner_slots["a3"]] * 25)[:n]
+        ids = torch.arange(3, 3 + n, device=dev)
+        positions = torch.zeros(n, dtype=torch.long, device=dev)
+        tables = torch.arange(n, dtype=torch.int32, device=dev).view(n, 1)
+        attn = AttentionMetadata(tables.view(-1).long() * runner.block_size, tables,
+                                 torch.ones(n, dtype=torch.int32, device=dev),
+                                 torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
+        outs = []
+        with torch.inference_mode():
+            for side in (runner.lora_side.on_current_stream(), None):
+                meta = builder.build(token_slots)
+                outs.append(runner.model(ids, positions, ForwardContext(attn, meta, side)).clone())
+        assert torch.equal(outs[0], outs[1]), f"{n} tokens"
 
 
 def test_adapter_loaded_or_replaced_after_capture_takes_effect(setup, tmp_path_factory):

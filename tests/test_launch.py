@@ -17,10 +17,21 @@ class FakeCompiled(launch.CompiledKernel):
         self.module = None
         self.log = log
 
+    function = packed_metadata = None
+
     def __getitem__(self, grid):
         def run(*params, stream=None):
             self.log.append(("cached", grid, params, stream))
         return run
+
+    @property
+    def run(self):  # the launcher under __getitem__, which BoundLaunch calls directly
+        def run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter, exit, *params):
+            self.log.append(("cached", (grid_x, grid_y, grid_z), params, stream))
+        return run
+
+    def launch_metadata(self, grid, stream, *params):
+        return None
 
     def __del__(self):
         pass
@@ -106,6 +117,41 @@ def test_interpreted_kernels_are_never_cached(kernel):
     launcher((1,), x, x, 1, 1, BLOCK=1)
     launcher((1,), x, x, 1, 1, BLOCK=1)
     assert kinds(kernel) == ["triton", "triton"]
+
+
+def test_bound_launch_replaces_only_its_variable_arguments(kernel):
+    launcher = CachedLauncher(kernel)
+    x, y, x2 = torch.zeros(64), torch.zeros(64), torch.zeros(32)
+    bound = launcher.call_and_bind((4,), x, y, 100, 64, BLOCK=128, num_warps=4, variable=("x_ptr", "n"))
+    bound((2,), x2, 7)
+    assert kinds(kernel) == ["triton", "cached"]
+    _, grid, params, stream = kernel.log[1]
+    assert grid == (2, 1, 1) and stream == 1234
+    assert params[0] is x2 and params[1] is y and params[2:] == (7, 64, 128)
+    assert bound._params[0] is None  # the variable tensor is not kept after the call
+
+
+def test_bound_launch_goes_through_triton_when_a_variable_argument_specializes_otherwise(kernel):
+    launcher = CachedLauncher(kernel)
+    buf = torch.zeros(64)
+    bound = launcher.call_and_bind((1,), buf, buf, 10, 64, BLOCK=128, variable=("x_ptr", "n"))
+    bound((1,), buf[1:], 10)  # misaligned
+    bound((1,), buf, 2**40)  # a 64-bit integer
+    bound((1,), buf, 11)
+    assert kinds(kernel) == ["triton", "triton", "triton", "cached"]
+    args = kernel.log[1][2]  # every parameter, the constexpr included, in order
+    assert args[0].data_ptr() == buf[1:].data_ptr() and args[1:] == (buf, 10, 64, 128)
+
+
+def test_bound_launch_of_an_interpreted_kernel_always_goes_through_triton(kernel):
+    kernel.__class__ = type("Interpreted", (FakeKernel,), {
+        "__getitem__": lambda self, grid: (lambda *a, **k: self.log.append(("triton", grid, a, k)))})
+    launcher = CachedLauncher(kernel)
+    x = torch.zeros(4)
+    bound = launcher.call_and_bind((1,), x, x, 1, 1, BLOCK=1, variable=("n",))
+    bound((3,), 5)
+    assert kinds(kernel) == ["triton", "triton"]
+    assert kernel.log[1][1] == (3,) and kernel.log[1][2][2] == 5
 
 
 @pytest.mark.parametrize("a,b", [(0, 4), (1, 4), (4, 4), (5, 4), (4097, 128)])

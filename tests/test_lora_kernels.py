@@ -20,7 +20,7 @@ import torch
 
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMetaBuilder
-from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.kernels.lora_ops import LoRAScratch, lora_apply, lora_apply_ref, lora_delta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 
@@ -295,6 +295,44 @@ def test_lora_apply_reuses_the_counters_across_sizes():
         assert not meta.tile_counters.any()
         info = dict(slots=slots, ranks=[16, 5, 0, 8])
         check_expand_result(info, y0, y_kernel, y_ref)
+
+
+def test_bound_lora_delta_serves_later_steps_of_its_shape():
+    """lora_delta launches into the static scratch and binds; the bound launches serve later steps of
+    the same kernel shapes (other T, other x), and refuse other shapes and another metadata buffer.
+    Every delta is checked against the reference, with the scratch poisoned before each step."""
+    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, device=DEVICE)
+    rng = np.random.default_rng(5)
+    gen = torch.Generator().manual_seed(5)
+    ranks = [16, 5, 0, 8]
+    a, b, slot_rank = make_weights(4, (40, 32), 16, 1030, ranks, torch.float32, DEVICE, gen)
+    offsets = offsets_of((40, 32))
+    splits = max(shrink_config(t, 1030, 32).split_k for t in (1, 80))
+    scratch = LoRAScratch.allocate(80, 72, 32, splits, torch.float32, DEVICE)
+    bound_list = []
+    for num_tokens, expect_bound in ((24, False), (5, True), (70, False), (24, True), (70, True), (1, True)):
+        meta = builder.build(rng.integers(-1, 4, num_tokens))
+        x = torch.randn(num_tokens, 1030, generator=gen).to(DEVICE)
+        scratch.delta.fill_(float("nan"))
+        bound = next((bd for bd in bound_list if bd.fits(x, meta, scratch)), None)
+        assert (bound is not None) == expect_bound, num_tokens
+        if bound is None:
+            delta, bound = lora_delta(x, scratch, a, b, slot_rank, meta, offsets)
+            bound_list.append(bound)
+        else:
+            bound(x)
+            delta = scratch.delta_view(num_tokens, 72)
+        want = torch.zeros(num_tokens, 72, device=DEVICE)
+        lora_apply_ref(x, want, a, b, slot_rank, meta, offsets)
+        torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+        assert not meta.tile_counters.any()
+    other = LoRAMetaBuilder(max_tokens=80, max_loras=4, device=DEVICE).build(np.zeros(5, dtype=np.int64))
+    x = torch.randn(5, 1030, generator=gen).to(DEVICE)
+    assert not any(bd.fits(x, other, scratch) for bd in bound_list)
+    assert not any(bd.fits(x, builder.meta, LoRAScratch.allocate(80, 72, 32, splits, torch.float32, DEVICE))
+                   for bd in bound_list)
+    with pytest.raises(ValueError, match="scratch holds 1..80"):
+        lora_delta(torch.zeros(81, 1030, device=DEVICE), scratch, a, b, slot_rank, builder.meta, offsets)
 
 
 def test_meta_builder_groups_tokens_by_slot():

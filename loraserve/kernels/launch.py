@@ -23,6 +23,10 @@ whether a kernel may be launched as a programmatic dependent launch
 (`launch_pdl=True`: it may start while the kernel before it in the stream
 finishes; it must `gdc_wait()` before it reads anything that kernel writes);
 `pdl_launch` gives the launch arguments.
+
+`CachedLauncher.call_and_bind` returns a `BoundLaunch`: the same launch again
+with only a few arguments given anew (for the LoRA kernels of every decode step,
+whose buffers never change), which skips the argument list and key.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import functools
 import inspect
 
 import torch
+from triton import knobs
 from triton.compiler import CompiledKernel
 from triton.runtime import driver
 
@@ -75,15 +80,26 @@ class CachedLauncher:
                                     if name in unspecialized or i in unspecialized)
         self._compiled: dict[tuple, CompiledKernel] = {}
 
-    def __call__(self, grid: tuple[int, ...], *args, **named) -> None:
-        # params: every kernel parameter in order; the ones after the positional args come by name
-        params = args + tuple(named[name] for name in self.arg_names[len(args):])
+    def _arg_key(self, index: int, value):
+        """What Triton specializes parameter `index` on, or finer (as in `_compiled_for`)."""
+        if isinstance(value, torch.Tensor):
+            return value.dtype, value.data_ptr() % 16 == 0
+        if index in self._unspecialized:
+            return _INT32_MIN <= value <= _INT32_MAX
+        return value
+
+    def _compiled_for(self, params: tuple, named: dict) -> tuple[tuple, CompiledKernel | None]:
         key = [(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in params]
         for i in self._unspecialized:  # Triton keys these on their integer width only
             key[i] = _INT32_MIN <= key[i] <= _INT32_MAX
         key.append(tuple(item for item in named.items() if item[0] not in self._arg_name_set))  # launch options
         key = tuple(key)
-        compiled = self._compiled.get(key)
+        return key, self._compiled.get(key)
+
+    def __call__(self, grid: tuple[int, ...], *args, **named) -> None:
+        # params: every kernel parameter in order; the ones after the positional args come by name
+        params = args + tuple(named[name] for name in self.arg_names[len(args):])
+        key, compiled = self._compiled_for(params, named)
         if compiled is None:
             compiled = self.kernel[grid](*args, **named)  # binds, specializes, compiles if need be, launches
             if isinstance(compiled, CompiledKernel):
@@ -92,3 +108,53 @@ class CachedLauncher:
         grid3 = tuple(grid) + (1,) * (3 - len(grid))
         device = driver.active.get_current_device()
         compiled[grid3](*params, stream=driver.active.get_current_stream(device))
+
+    def call_and_bind(self, grid: tuple[int, ...], *args, variable: tuple[str, ...], **named) -> "BoundLaunch":
+        """Launch now, like __call__, and return a BoundLaunch that repeats this launch with the
+        parameters named in `variable` given anew each time."""
+        self(grid, *args, **named)
+        params = args + tuple(named[name] for name in self.arg_names[len(args):])
+        options = {k: v for k, v in named.items() if k not in self._arg_name_set}
+        return BoundLaunch(self, params, options, variable, self._compiled_for(params, named)[1])
+
+
+class BoundLaunch:
+    """A kernel launch with fixed arguments but for a few (`variable`) given on each call.
+
+    Meant for launches repeated many times with the same buffers (the LoRA kernels
+    of a decode step): a call checks only the variable arguments, and launches the
+    compiled kernel directly while each keeps what Triton specializes on (a tensor's
+    dtype and alignment; an integer's value, or its width if do_not_specialize).
+    Otherwise, and under the interpreter, the call goes through the launcher.
+    Variable tensors are not kept after the call.
+    """
+
+    def __init__(self, launcher: CachedLauncher, params: tuple, options: dict, variable: tuple[str, ...],
+                 compiled: CompiledKernel | None):
+        self._launcher = launcher
+        self._params = list(params)
+        self._options = options
+        self._positions = tuple(launcher.arg_names.index(name) for name in variable)
+        self._keys = tuple(launcher._arg_key(i, params[i]) for i in self._positions)
+        self._compiled = compiled
+
+    def __call__(self, grid: tuple[int, ...], *values) -> None:
+        """Launch on the current stream with the variable parameters set to `values`, in their order."""
+        params, arg_key = self._params, self._launcher._arg_key
+        same = self._compiled is not None
+        for i, key, value in zip(self._positions, self._keys, values):
+            params[i] = value
+            same = same and arg_key(i, value) == key
+        try:
+            if same:
+                compiled = self._compiled
+                stream = driver.active.get_current_stream(driver.active.get_current_device())
+                # what compiled[grid](*params) does, without building its closure per call
+                compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                             compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *params),
+                             knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *params)
+            else:
+                self._launcher(grid, *params, **self._options)
+        finally:
+            for i in self._positions:
+                params[i] = None

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.launch import CachedLauncher, cdiv, pdl_launch
+from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, pdl_launch
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, slot_tile
 
@@ -168,9 +168,17 @@ def _expand_kernel(
 _expand_launch = CachedLauncher(_expand_kernel)
 
 
+def expand_grid(cfg: ExpandConfig, num_tokens: int, n_out: int, num_loras: int, overwrite: bool) -> tuple[int, int]:
+    """(column-tile groups, token tiles): cdiv(T, BM) + one partial tile per group (min(L, T) slots,
+    and with overwrite the base group)."""
+    return (cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles),
+            cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
+
+
 def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
                 meta: LoRAMeta, slice_offsets: tuple[int, ...], y: torch.Tensor,
-                config: ExpandConfig | None = None, overwrite: bool = False, after_shrink: bool = False) -> None:
+                config: ExpandConfig | None = None, overwrite: bool = False, after_shrink: bool = False,
+                bind: bool = False) -> BoundLaunch | None:
     """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
 
     overwrite: y = the product instead (every row written, zeros for tokens without a slot or with a
@@ -191,6 +199,11 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     Rows of tokens without a slot are untouched. meta must have been built
     from at most T token slots. `config` overrides the static kernel shape
     (tests, tuning).
+
+    bind: return a BoundLaunch that repeats this launch for another token count
+    (`bound(expand_grid(cfg, T, N, L, overwrite), T)`) with the same buffers: inter
+    and y must then have row strides that do not depend on T (views of static
+    scratch), as the bound launch keeps them.
     """
     num_tokens, n_out = y.shape
     num_loras, b_rows, rank_max = lora_b.shape
@@ -211,10 +224,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
-    # token tiles: cdiv(T, BM) + one partial tile per group (min(L, T) slots, + the base group)
-    grid = (cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles),
-            cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
-    _expand_launch(grid,
+    grid = expand_grid(cfg, num_tokens, n_out, num_loras, overwrite)
+    launch = functools.partial(_expand_launch.call_and_bind, variable=("num_tokens",)) if bind else _expand_launch
+    return launch(grid,
         parts, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
         num_tokens, n_out, rank_max, num_loras,
         parts.stride(0), parts.stride(1), parts.stride(2),

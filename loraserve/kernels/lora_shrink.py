@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_supported
+from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, next_power_of_2, pdl_supported
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMeta
 
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
@@ -140,11 +140,18 @@ def _shrink_kernel(
 
 
 _shrink_launch = CachedLauncher(_shrink_kernel)
+_SHRINK_VARIABLE = ("x_ptr", "num_tokens", "stride_xt", "stride_xk")  # what a bound shrink takes per call
+
+
+def shrink_grid(cfg: ShrinkConfig, num_tokens: int, sr: int, num_loras: int) -> tuple[int, int]:
+    """(row tiles x split-K programs, token tiles): static maxima only (the module docstring)."""
+    return (cdiv(sr, cfg.block_n) * cfg.split_k, cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
                 meta: LoRAMeta, num_slices: int, out: torch.Tensor,
-                config: ShrinkConfig | None = None) -> None:
+                config: ShrinkConfig | None = None, partials: torch.Tensor | None = None,
+                bind: bool = False) -> BoundLaunch | None:
     """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
 
     A split-K shrink sums its partials in the same launch (meta.tile_counters).
@@ -157,6 +164,13 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     token slots (the grid is sized for T). Launches sharing meta's counters
     must be stream-ordered (never concurrent). `config` overrides the static
     kernel shape (tests, tuning).
+
+    partials: [P, T, S*R] float32 scratch for the split-K partial sums of a 2-D
+    out (allocated here when None; any row stride).
+    bind: return a BoundLaunch that repeats this launch for another x
+    (`bound(shrink_grid(cfg, T, S*R, L), x, T, x.stride(0), x.stride(1))`) with
+    every other buffer the same: out and partials must then have row strides that
+    do not depend on T (views of static scratch), as the bound launch keeps them.
     """
     num_tokens, hidden = x.shape
     num_loras, sr, a_hidden = lora_a.shape
@@ -173,8 +187,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
-    grid = (cdiv(sr, cfg.block_n) * cfg.split_k,
-            cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    grid = shrink_grid(cfg, num_tokens, sr, num_loras)
     reduce = out.dim() == 2 and cfg.split_k > 1
     # partial: [split_k, T, S*R]; each split writes its own slice (the last one of a tile sums them into out)
     if out.dim() == 3:
@@ -183,9 +196,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
         partial = out.unsqueeze(0)
     else:
         check_counters(meta.tile_counters, grid[1], grid[0] // cfg.split_k)
-        partial = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
+        if partials is None:
+            partials = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
+        elif partials.shape != (cfg.split_k, num_tokens, sr) or partials.dtype != torch.float32:
+            raise ValueError(f"partials must be [{cfg.split_k}, {num_tokens}, {sr}] float32, "
+                             f"got {list(partials.shape)} {partials.dtype}")
+        partial = partials
     k_per_split = cdiv(cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
-    _shrink_launch(grid,
+    launch = functools.partial(_shrink_launch.call_and_bind, variable=_SHRINK_VARIABLE) if bind else _shrink_launch
+    return launch(grid,
         x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, partial, out,
         meta.tile_counters,
         num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,

@@ -6,24 +6,28 @@ Storage (DESIGN.md section 3), allocated once, addresses never change:
   slot_rank: [L] int32     the rank in each slot (0 = empty)
 with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1).
 
-Forward: with a LoRA side stream in the forward context and at most
-LORA_DELTA_MAX_TOKENS tokens (decode steps and their CUDA graphs), the LoRA
-product runs on the side stream into a delta (model dtype) while the base GEMM runs
-on the current stream; the two join before the next op, which adds the delta
-to its input (fused into the norm, SiLU and rotary kernels). The LoRA kernels
-thus leave the critical path of a decode step. Larger (prefill) steps add the
-product into the base output in place, in order: a [T, N] delta would
-cost too much memory there. Both give the same numbers: round(y + round(product)), the
-product rounded to the model dtype first, as PEFT's separate LoRA output is.
+Forward: with a LoRA side stream in the forward context (ctx.lora_side) and at
+most its scratch's max_tokens tokens (decode steps and their CUDA graphs), the
+LoRA product runs on the side stream into a delta (model dtype, a view of the
+side stream's static scratch) while the base GEMM runs on the forward's stream;
+the two join before the next op, which adds the delta to its input (fused into
+the norm, SiLU and rotary kernels). The LoRA kernels thus leave the critical path
+of a decode step. Their launches are bound once per kernel shape
+(kernels/lora_ops.BoundLoRADelta), so each later step, and each graph capture,
+costs two plain launches. Larger (prefill) steps add the product into the base
+output in place, in order: a [T, N] delta would cost too much memory there. Both
+give the same numbers: round(y + round(product)), the product rounded to the
+model dtype first, as PEFT's separate LoRA output is.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.kernels.lora_ops import BoundLoRADelta, LoRAScratch, lora_apply, lora_apply_ref, lora_delta
+from loraserve.kernels.lora_shrink import shrink_config
 from loraserve.models.linear import LinearBase
-from loraserve.worker.forward_context import ForwardContext
+from loraserve.worker.forward_context import ForwardContext, LoRASideStream
 
 # Steps of up to this many tokens compute the LoRA product beside the base GEMM (on the side stream).
 LORA_DELTA_MAX_TOKENS = 512
@@ -57,6 +61,8 @@ class LoRALinear(nn.Module):
         # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a capture)
         self._fork: torch.cuda.Event | None = None
         self._join: torch.cuda.Event | None = None
+        # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
+        self._bound: dict[int, BoundLoRADelta] = {}
 
     @property
     def in_features(self) -> int:
@@ -72,27 +78,38 @@ class LoRALinear(nn.Module):
         meta = ctx.lora if ctx is not None else None
         if meta is None:
             return self.base(x)
-        side = ctx.lora_stream
-        if side is None or x.shape[0] > LORA_DELTA_MAX_TOKENS:
+        side = ctx.lora_side
+        if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
             y, _ = self.base(x)
             apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
             apply(x, y, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets)
             return y, None
+        return self._forward_beside(x, meta, side)
+
+    def _forward_beside(self, x: torch.Tensor, meta, side: LoRASideStream) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, in] -> (y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's)
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
-        main = torch.cuda.current_stream(x.device)
-        # delta: [T, N] in the model dtype, allocated on the main stream, which frees it after the join
-        delta = torch.empty(x.shape[0], self.base.out_features, dtype=x.dtype, device=x.device)
-        self._fork.record(main)
-        side.wait_event(self._fork)  # x, the metadata and the slot weights are ready
-        torch.cuda.set_stream(side)
+        self._fork.record(side.main)
+        side.stream.wait_event(self._fork)  # x, the metadata and the slot weights are ready
+        torch.cuda.set_stream(side.stream)
         try:
-            lora_apply(x, delta, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets, overwrite=True)
+            num_tokens = x.shape[0]
+            bound = self._bound.get(num_tokens)
+            if bound is None or bound.meta is not meta or bound.scratch is not side.scratch:
+                bound = next((b for b in self._bound.values() if b.fits(x, meta, side.scratch)), None)
+            if bound is not None:
+                bound(x)
+                delta = side.scratch.delta_view(num_tokens, self.base.out_features)
+            else:
+                delta, bound = lora_delta(x, side.scratch, self.lora_a, self.lora_b, self.slot_rank, meta,
+                                          self.slice_offsets)
+            self._bound[num_tokens] = bound
         finally:
-            torch.cuda.set_stream(main)
+            torch.cuda.set_stream(side.main)
         y, _ = self.base(x)
-        self._join.record(side)
-        main.wait_event(self._join)
+        self._join.record(side.stream)
+        side.main.wait_event(self._join)
         return y, delta
 
     @torch.no_grad()
@@ -131,3 +148,13 @@ def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> list[tu
                     setattr(parent, attr, wrapper)
                     wrapped.append((layer_idx, wrapper))
     return wrapped
+
+
+def allocate_lora_scratch(layers: list[LoRALinear], max_tokens: int) -> LoRAScratch:
+    """Static scratch for the side-stream LoRA products of these layers, steps of up to max_tokens tokens."""
+    first = layers[0]
+    splits = max(shrink_config(t, layer.in_features, layer.lora_a.shape[1]).split_k
+                 for layer in layers for t in (1, max_tokens))
+    return LoRAScratch.allocate(max_tokens, max(layer.out_features for layer in layers),
+                                max(layer.lora_a.shape[1] for layer in layers), splits, first.lora_b.dtype,
+                                first.lora_b.device)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
+from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, LoRASideStream
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +56,13 @@ class CUDAGraphRunner:
     """capture / can_run / run for decode steps of up to `max_batch` sequences."""
 
     def __init__(self, model, max_batch: int, max_blocks: int, block_size: int, dummy_block: int,
-                 device: torch.device, lora_meta_builder=None, lora_stream: torch.cuda.Stream | None = None):
+                 device: torch.device, lora_meta_builder=None, lora_side: LoRASideStream | None = None):
         self.model = model
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.dummy_slot = dummy_block * block_size
         self.device = device
         self.lora_meta_builder = lora_meta_builder
-        self.lora_stream = lora_stream  # the LoRA kernels' side stream, forked and joined inside each graph
+        self.lora_side = lora_side  # the LoRA kernels' side stream, forked and joined inside each graph
         self.buckets = batch_buckets(max_batch)
         self.inputs = GraphInputs.allocate(max_batch, max_blocks, device)
         size = self.inputs.device_buf.numel()
@@ -83,7 +83,8 @@ class CUDAGraphRunner:
                                  seq_lens=i.seq_lens[:batch], query_start_loc=i.query_start_loc[:batch + 1],
                                  max_query_len=1, is_decode=True)
         lora = self.lora_meta_builder.meta if self.lora_meta_builder is not None else None
-        return ForwardContext(attn, lora, self.lora_stream)
+        side = None if self.lora_side is None else self.lora_side.on_current_stream()  # the capture stream
+        return ForwardContext(attn, lora, side)
 
     def _forward(self, batch: int) -> torch.Tensor:
         ctx = self._context(batch)

@@ -1,13 +1,14 @@
 """What one forward pass needs besides token ids and positions, passed explicitly down the model."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from loraserve.kernels.lora_meta import LoRAMeta
+    from loraserve.kernels.lora_ops import LoRAScratch
 
 
 @dataclass
@@ -23,8 +24,22 @@ class AttentionMetadata:
 
 
 @dataclass
+class LoRASideStream:
+    """Where decode-sized LoRA products run beside the base projections (lora/layers.py): on `stream`,
+    forked from and joined back to `main` (the stream this forward pass is issued on), into `scratch`."""
+
+    main: torch.cuda.Stream
+    stream: torch.cuda.Stream
+    scratch: "LoRAScratch"
+
+    def on_current_stream(self) -> "LoRASideStream":
+        """The same side stream and scratch, joined back to the current stream (once per forward pass:
+        looking the current stream up costs ~8 us, too much for every layer)."""
+        return replace(self, main=torch.cuda.current_stream(self.stream.device))
+
+
+@dataclass
 class ForwardContext:
     attn: AttentionMetadata
     lora: "LoRAMeta | None" = None  # None: no LoRA kernels in this (eager) step
-    # CUDA stream on which decode-sized LoRA products run beside the base projections; None: in place, in order
-    lora_stream: torch.cuda.Stream | None = None
+    lora_side: LoRASideStream | None = None  # None: LoRA products in place, in order

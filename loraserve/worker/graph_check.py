@@ -109,5 +109,6 @@ def _eager(model, graph_runner, bucket: int, input_ids, positions, slot_mapping,
     meta = None
     if lora is not None:
         meta = graph_runner.lora_meta_builder.build(np.concatenate([lora, np.full(pad, -1, np.int64)]))
-    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), ForwardContext(attn, meta, graph_runner.lora_stream))
+    side = None if graph_runner.lora_side is None else graph_runner.lora_side.on_current_stream()
+    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), ForwardContext(attn, meta, side))
     return out[:n]

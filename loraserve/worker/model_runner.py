@@ -11,7 +11,7 @@ from loraserve.config import CacheConfig, SchedulerConfig
 from loraserve.engine.request import PENDING_TOKEN, Sequence
 from loraserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loraserve.models.attention import PagedAttention
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
+from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, LoRASideStream
 from loraserve.worker.sampler import SampledTokens, Sampler
 
 logger = logging.getLogger(__name__)
@@ -81,14 +81,18 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.sampler = Sampler(device, seed)
         self.lora_meta_builder = None
-        self.lora_stream = None  # CUDA: decode-sized LoRA products run here, beside the base GEMMs
+        self.lora_side = None  # CUDA: decode-sized LoRA products run on its stream, beside the base GEMMs
         if max_loras > 0:
             from loraserve.kernels.lora_meta import LoRAMetaBuilder
+            from loraserve.lora.layers import LORA_DELTA_MAX_TOKENS, allocate_lora_scratch
 
             self.lora_meta_builder = LoRAMetaBuilder(scheduler_config.max_num_batched_tokens
                                                      + scheduler_config.max_num_seqs, max_loras, device)
-            if device.type == "cuda":
-                self.lora_stream = torch.cuda.Stream(device)
+            if device.type == "cuda" and lora_layers:
+                scratch = allocate_lora_scratch([layer for _, layer in lora_layers],
+                                                min(LORA_DELTA_MAX_TOKENS, self.lora_meta_builder.max_tokens))
+                side = torch.cuda.Stream(device)
+                self.lora_side = LoRASideStream(torch.cuda.current_stream(device), side, scratch)
         self.graph_runner = None
         if device.type == "cuda" and not enforce_eager:
             self._capture_graphs(scheduler_config.max_num_seqs, lora_layers)
@@ -99,7 +103,7 @@ class ModelRunner:
 
         self.graph_runner = CUDAGraphRunner(self.model, max_num_seqs, self.max_blocks_per_seq, self.block_size,
                                             self.dummy_block, self.device, self.lora_meta_builder,
-                                            self.lora_stream)
+                                            self.lora_side)
         self.graph_runner.capture()
         verify_graphs(self.graph_runner, self.model, self.num_blocks, lora_layers)
 
@@ -203,6 +207,9 @@ class ModelRunner:
         sources = np.array([source_of[scheduled[i].seq] for i in owners.tolist()], dtype=np.int64)
         return PendingTokenFill(rows.astype(np.int64), sources, in_flight.samples.tokens)
 
+    def _lora_side_here(self) -> LoRASideStream | None:
+        return None if self.lora_side is None else self.lora_side.on_current_stream()
+
     @torch.inference_mode()
     def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None) -> torch.Tensor:
         """The model on this step's tokens; returns the hidden states of the sampled rows [N, D]."""
@@ -217,7 +224,7 @@ class ModelRunner:
         if fill is not None:
             fill.apply(input_ids)
         hidden = self.model(input_ids, self._to_device(inputs.positions),
-                            ForwardContext(attn, lora, self.lora_stream))
+                            ForwardContext(attn, lora, self._lora_side_here()))
         return hidden[self._to_device(inputs.logits_rows)]
 
     @torch.inference_mode()
