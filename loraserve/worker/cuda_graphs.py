@@ -100,6 +100,9 @@ class CUDAGraphRunner:
             self._forward(batch)
         torch.cuda.synchronize(self.device)
         self.warmup_seconds = time.perf_counter() - start
+        # the first capture empties the allocator's cache: do it first, so that what it gives back to the
+        # device is not counted against the graphs
+        torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         for batch in tqdm(order, desc="Capturing CUDA graphs", unit="graph", leave=False, disable=None):
