@@ -6,9 +6,7 @@ output times the same flat token-tile axis as the shrink (cdiv(T, BLOCK_M) +
 min(L, T)), mapped to (slot, tile within slot) in the kernel. Programs past the last tile return
 at once; the K loop runs over the slot's own rank only (in steps of BLOCK_R),
 so a rank-8 adapter in a rank-64 buffer reads and computes rank 8. A column
-tile that straddles a slice boundary handles each slice under a mask. The
-slice bounds are kernel arguments (at most MAX_SLICES = 3 slices), so one
-compiled kernel serves every layer of a model. The sum
+tile that straddles a slice boundary handles each slice under a mask. The sum
 is added into y in place (y may be a column range of a larger tensor); rows of
 tokens without a slot are never touched.
 
@@ -33,9 +31,6 @@ from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, s
 
 # Token counts up to this use the decode-shaped expand (16-token tiles).
 EXPAND_DECODE_MAX_TOKENS = 64
-# Slices of a packed layer (q/k/v): their bounds are kernel arguments, so one compiled kernel serves every layer.
-MAX_SLICES = 3
-_MAX_SLICES: tl.constexpr = tl.constexpr(MAX_SLICES)  # the same, as the kernels see it
 
 
 @dataclass(frozen=True)
@@ -61,20 +56,20 @@ def expand_config(num_tokens: int) -> ExpandConfig:
 
 
 @triton.jit
-def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max, slice_1, slice_2, n_out,
-                        stride_ip, stride_ir, stride_br, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                        stride_ip, stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
+                        NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                         PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_PARTS: tl.constexpr):
     """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
 
-    Slices (at most MAX_SLICES, some possibly empty): [0, slice_1), [slice_1, slice_2), [slice_2, n_out).
     The caller guarantees rank % RANK_ALIGN == 0. Writing the rank mask's bound
     as a multiple of RANK_ALIGN (8) lets the compiler see that the mask covers
     whole 16-byte vectors, so B and inter are read with vector loads.
     """
-    for s in tl.static_range(_MAX_SLICES):
-        lo = 0 if s == 0 else (slice_1 if s == 1 else slice_2)
-        hi = slice_1 if s == 0 else (slice_2 if s == 1 else n_out)
-        if (lo < hi) & (col0 < hi) & (col0 + BLOCK_N > lo):
+    for s in tl.static_range(NUM_SLICES):
+        lo = SLICE_OFFSETS[s]
+        hi = SLICE_OFFSETS[s + 1]
+        if (col0 < hi) & (col0 + BLOCK_N > lo):
             col_ok = (cols >= lo) & (cols < hi)
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
@@ -121,7 +116,7 @@ def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
     num_tokens, n_out, rank_max, num_loras,
     stride_ip, stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-    slice_1, slice_2, NUM_PARTS: tl.constexpr,
+    SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -159,12 +154,12 @@ def _expand_kernel(
         b_cols = b_slot + cols[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if rank % 8 == 0:
-            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max, slice_1,
-                                      slice_2, n_out, stride_ip, stride_ir, stride_br, BLOCK_N,
+            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
                                       BLOCK_R, PRECISION, 8, NUM_PARTS)
         else:
-            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max, slice_1,
-                                      slice_2, n_out, stride_ip, stride_ir, stride_br, BLOCK_N,
+            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
+                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
                                       BLOCK_R, PRECISION, 1, NUM_PARTS)
         product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
         tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
@@ -214,10 +209,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     num_loras, b_rows, rank_max = lora_b.shape
     offsets = tuple(int(o) for o in slice_offsets)
     num_slices = len(offsets) - 1
-    if not 1 <= num_slices <= MAX_SLICES or offsets[0] != 0 or offsets[-1] != n_out or \
+    if num_slices < 1 or offsets[0] != 0 or offsets[-1] != n_out or \
             any(a > b for a, b in zip(offsets, offsets[1:])):
-        raise ValueError(f"slice_offsets {offsets} must rise from 0 to N={n_out} in 1..{MAX_SLICES} slices")
-    ends = offsets[1:] + (n_out,) * (MAX_SLICES - num_slices)  # the first two are kernel arguments
+        raise ValueError(f"slice_offsets {offsets} must rise from 0 to N={n_out}")
     if b_rows != n_out:
         raise ValueError(f"lora_b has {b_rows} output rows but y has {n_out} columns")
     parts = inter.unsqueeze(0) if inter.dim() == 2 else inter  # [P, T, S*R]: P split-K partials to add
@@ -237,7 +231,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
         num_tokens, n_out, rank_max, num_loras,
         parts.stride(0), parts.stride(1), parts.stride(2),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        ends[0], ends[1], NUM_PARTS=parts.shape[0],
+        SLICE_OFFSETS=offsets, NUM_SLICES=num_slices, NUM_PARTS=parts.shape[0],
         LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite,
