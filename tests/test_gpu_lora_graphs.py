@@ -15,7 +15,7 @@ from hf_reference import load_hf_model, teacher_forced_logprobs
 from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.kernels.lora_meta import LoRAMetaBuilder
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
+from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, lora_side_for_this_pass
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +106,7 @@ def test_side_stream_delta_equals_in_place_lora(setup):
                                  torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
         outs = []
         with torch.inference_mode():
-            for side in (runner.lora_side.on_current_stream(), None):
+            for side in (lora_side_for_this_pass(runner.lora_side), None):
                 meta = builder.build(token_slots)
                 outs.append(runner.model(ids, positions, ForwardContext(attn, meta, side)).clone())
         assert torch.equal(outs[0], outs[1]), f"{n} tokens"

@@ -97,25 +97,37 @@ class CachedLauncher:
         return key, self._compiled.get(key)
 
     def __call__(self, grid: tuple[int, ...], *args, **named) -> None:
+        self._launch(grid, args, named)
+
+    def call_and_bind(self, grid: tuple[int, ...], *args, variable: tuple[str, ...], **named) -> "BoundLaunch":
+        """Launch now, like __call__, and return a BoundLaunch that repeats this launch with the
+        parameters named in `variable` given anew each time."""
+        params, compiled = self._launch(grid, args, named)
+        options = {k: v for k, v in named.items() if k not in self._arg_name_set}
+        return BoundLaunch(self, params, options, variable, compiled)
+
+    def _launch(self, grid: tuple[int, ...], args: tuple, named: dict) -> tuple[tuple, CompiledKernel | None]:
+        """Launch; returns every parameter in order and the compiled kernel (None under the interpreter)."""
         # params: every kernel parameter in order; the ones after the positional args come by name
         params = args + tuple(named[name] for name in self.arg_names[len(args):])
         key, compiled = self._compiled_for(params, named)
         if compiled is None:
             compiled = self.kernel[grid](*args, **named)  # binds, specializes, compiles if need be, launches
-            if isinstance(compiled, CompiledKernel):
-                self._compiled[key] = compiled
-            return
-        grid3 = tuple(grid) + (1,) * (3 - len(grid))
-        device = driver.active.get_current_device()
-        compiled[grid3](*params, stream=driver.active.get_current_stream(device))
+            if not isinstance(compiled, CompiledKernel):
+                return params, None
+            self._compiled[key] = compiled
+            return params, compiled
+        compiled[_grid3(grid)](*params, stream=_current_stream())
+        return params, compiled
 
-    def call_and_bind(self, grid: tuple[int, ...], *args, variable: tuple[str, ...], **named) -> "BoundLaunch":
-        """Launch now, like __call__, and return a BoundLaunch that repeats this launch with the
-        parameters named in `variable` given anew each time."""
-        self(grid, *args, **named)
-        params = args + tuple(named[name] for name in self.arg_names[len(args):])
-        options = {k: v for k, v in named.items() if k not in self._arg_name_set}
-        return BoundLaunch(self, params, options, variable, self._compiled_for(params, named)[1])
+
+def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
+def _current_stream() -> int:
+    """Triton's handle of the current stream (torch's current stream on the current device)."""
+    return driver.active.get_current_stream(driver.active.get_current_device())
 
 
 class BoundLaunch:
@@ -147,11 +159,10 @@ class BoundLaunch:
             same = same and arg_key(i, value) == key
         try:
             if same:
-                compiled = self._compiled
-                stream = driver.active.get_current_stream(driver.active.get_current_device())
+                compiled, stream = self._compiled, _current_stream()
                 # what compiled[grid](*params) does, without building its closure per call
-                compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                             compiled.function, compiled.packed_metadata, compiled.launch_metadata(grid, stream, *params),
+                compiled.run(*_grid3(grid), stream, compiled.function, compiled.packed_metadata,
+                             compiled.launch_metadata(grid, stream, *params),
                              knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *params)
             else:
                 self._launcher(grid, *params, **self._options)

@@ -114,9 +114,14 @@ class BoundLoRADelta:
         self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
         self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
 
+    def serves(self, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
+        """Bound to these buffers (a call with the token count it was made or found for)."""
+        return meta is self.meta and scratch is self.scratch
+
     def fits(self, x: torch.Tensor, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
+        """Bound to these buffers and to the kernel shapes of x's token count."""
         t = x.shape[0]
-        return (meta is self.meta and scratch is self.scratch and 0 < t <= scratch.max_tokens
+        return (self.serves(meta, scratch) and 0 < t <= scratch.max_tokens
                 and shrink_config(t, x.shape[1], self.sr) == self.shrink_cfg and expand_config(t) == self.expand_cfg)
 
     def __call__(self, x: torch.Tensor) -> None:

@@ -94,23 +94,27 @@ class LoRALinear(nn.Module):
         side.stream.wait_event(self._fork)  # x, the metadata and the slot weights are ready
         torch.cuda.set_stream(side.stream)
         try:
-            num_tokens = x.shape[0]
-            bound = self._bound.get(num_tokens)
-            if bound is None or bound.meta is not meta or bound.scratch is not side.scratch:
-                bound = next((b for b in self._bound.values() if b.fits(x, meta, side.scratch)), None)
-            if bound is not None:
-                bound(x)
-                delta = side.scratch.delta_view(num_tokens, self.base.out_features)
-            else:
-                delta, bound = lora_delta(x, side.scratch, self.lora_a, self.lora_b, self.slot_rank, meta,
-                                          self.slice_offsets)
-            self._bound[num_tokens] = bound
+            delta = self._launch_beside(x, meta, side.scratch)
         finally:
             torch.cuda.set_stream(side.main)
         y, _ = self.base(x)
         self._join.record(side.stream)
         side.main.wait_event(self._join)
         return y, delta
+
+    def _launch_beside(self, x: torch.Tensor, meta, scratch: LoRAScratch) -> torch.Tensor:
+        """Launch the LoRA product of x into the scratch's delta (on the current stream); returns the delta."""
+        num_tokens = x.shape[0]
+        bound = self._bound.get(num_tokens)
+        if bound is None or not bound.serves(meta, scratch):
+            bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
+            if bound is None:  # a new kernel shape (or new buffers): launched and bound by the kernels' wrappers
+                delta, self._bound[num_tokens] = lora_delta(x, scratch, self.lora_a, self.lora_b, self.slot_rank,
+                                                            meta, self.slice_offsets)
+                return delta
+            self._bound[num_tokens] = bound
+        bound(x)
+        return scratch.delta_view(num_tokens, self.base.out_features)
 
     @torch.no_grad()
     def write_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:

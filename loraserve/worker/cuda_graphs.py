@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, LoRASideStream
+from loraserve.worker.forward_context import (AttentionMetadata, ForwardContext, LoRASideStream,
+                                              lora_side_for_this_pass)
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,7 @@ class CUDAGraphRunner:
                                  seq_lens=i.seq_lens[:batch], query_start_loc=i.query_start_loc[:batch + 1],
                                  max_query_len=1, is_decode=True)
         lora = self.lora_meta_builder.meta if self.lora_meta_builder is not None else None
-        side = None if self.lora_side is None else self.lora_side.on_current_stream()  # the capture stream
-        return ForwardContext(attn, lora, side)
+        return ForwardContext(attn, lora, lora_side_for_this_pass(self.lora_side))  # inside a capture: its stream
 
     def _forward(self, batch: int) -> torch.Tensor:
         ctx = self._context(batch)

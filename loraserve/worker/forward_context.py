@@ -32,14 +32,17 @@ class LoRASideStream:
     stream: torch.cuda.Stream
     scratch: "LoRAScratch"
 
-    def on_current_stream(self) -> "LoRASideStream":
-        """The same side stream and scratch, joined back to the current stream (once per forward pass:
-        looking the current stream up costs ~8 us, too much for every layer)."""
-        return replace(self, main=torch.cuda.current_stream(self.stream.device))
-
 
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
     lora: "LoRAMeta | None" = None  # None: no LoRA kernels in this (eager) step
     lora_side: LoRASideStream | None = None  # None: LoRA products in place, in order
+
+
+def lora_side_for_this_pass(side: LoRASideStream | None) -> LoRASideStream | None:
+    """`side` joined back to the current stream (the one a forward pass is about to be issued on), or None.
+
+    Called once per forward pass: looking the current stream up costs ~8 us, too much for every layer."""
+    return None if side is None else replace(side, main=torch.cuda.current_stream(side.stream.device))
+

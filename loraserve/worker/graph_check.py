@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import torch
 
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext
+from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, lora_side_for_this_pass
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,6 @@ def _eager(model, graph_runner, bucket: int, input_ids, positions, slot_mapping,
     meta = None
     if lora is not None:
         meta = graph_runner.lora_meta_builder.build(np.concatenate([lora, np.full(pad, -1, np.int64)]))
-    side = None if graph_runner.lora_side is None else graph_runner.lora_side.on_current_stream()
-    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev), ForwardContext(attn, meta, side))
+    out = model(torch.from_numpy(ids).to(dev), torch.from_numpy(pos).to(dev),
+                ForwardContext(attn, meta, lora_side_for_this_pass(graph_runner.lora_side)))
     return out[:n]

@@ -11,7 +11,8 @@ from loraserve.config import CacheConfig, SchedulerConfig
 from loraserve.engine.request import PENDING_TOKEN, Sequence
 from loraserve.engine.scheduler import ScheduledSequence, SchedulerOutput
 from loraserve.models.attention import PagedAttention
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, LoRASideStream
+from loraserve.worker.forward_context import (AttentionMetadata, ForwardContext, LoRASideStream,
+                                              lora_side_for_this_pass)
 from loraserve.worker.sampler import SampledTokens, Sampler
 
 logger = logging.getLogger(__name__)
@@ -207,9 +208,6 @@ class ModelRunner:
         sources = np.array([source_of[scheduled[i].seq] for i in owners.tolist()], dtype=np.int64)
         return PendingTokenFill(rows.astype(np.int64), sources, in_flight.samples.tokens)
 
-    def _lora_side_here(self) -> LoRASideStream | None:
-        return None if self.lora_side is None else self.lora_side.on_current_stream()
-
     @torch.inference_mode()
     def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None) -> torch.Tensor:
         """The model on this step's tokens; returns the hidden states of the sampled rows [N, D]."""
@@ -224,7 +222,7 @@ class ModelRunner:
         if fill is not None:
             fill.apply(input_ids)
         hidden = self.model(input_ids, self._to_device(inputs.positions),
-                            ForwardContext(attn, lora, self._lora_side_here()))
+                            ForwardContext(attn, lora, lora_side_for_this_pass(self.lora_side)))
         return hidden[self._to_device(inputs.logits_rows)]
 
     @torch.inference_mode()
