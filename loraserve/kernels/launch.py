@@ -81,18 +81,23 @@ class CachedLauncher:
         self._compiled: dict[tuple, CompiledKernel] = {}
 
     def _arg_key(self, index: int, value):
-        """What Triton specializes parameter `index` on, or finer (as in `_compiled_for`)."""
+        """What Triton specializes parameter `index` on, or finer (the part of `_compiled_for`'s key)."""
         if isinstance(value, torch.Tensor):
-            return value.dtype, value.data_ptr() % 16 == 0
+            return _tensor_key(value)
         if index in self._unspecialized:
-            return _INT32_MIN <= value <= _INT32_MAX
+            return _int_width_key(value)
         return value
 
+    def _launch_options(self, named: dict) -> dict:
+        """The named arguments that are launch options (num_warps, ...), not kernel parameters."""
+        return {k: v for k, v in named.items() if k not in self._arg_name_set}
+
     def _compiled_for(self, params: tuple, named: dict) -> tuple[tuple, CompiledKernel | None]:
-        key = [(v.dtype, v.data_ptr() % 16 == 0) if isinstance(v, torch.Tensor) else v for v in params]
-        for i in self._unspecialized:  # Triton keys these on their integer width only
-            key[i] = _INT32_MIN <= key[i] <= _INT32_MAX
-        key.append(tuple(item for item in named.items() if item[0] not in self._arg_name_set))  # launch options
+        # _arg_key of every parameter, spelled out: this runs on every launch
+        key = [_tensor_key(v) if isinstance(v, torch.Tensor) else v for v in params]
+        for i in self._unspecialized:
+            key[i] = _int_width_key(key[i])
+        key.append(tuple(self._launch_options(named).items()))
         key = tuple(key)
         return key, self._compiled.get(key)
 
@@ -103,8 +108,7 @@ class CachedLauncher:
         """Launch now, like __call__, and return a BoundLaunch that repeats this launch with the
         parameters named in `variable` given anew each time."""
         params, compiled = self._launch(grid, args, named)
-        options = {k: v for k, v in named.items() if k not in self._arg_name_set}
-        return BoundLaunch(self, params, options, variable, compiled)
+        return BoundLaunch(self, params, self._launch_options(named), variable, compiled)
 
     def _launch(self, grid: tuple[int, ...], args: tuple, named: dict) -> tuple[tuple, CompiledKernel | None]:
         """Launch; returns every parameter in order and the compiled kernel (None under the interpreter)."""
@@ -119,6 +123,16 @@ class CachedLauncher:
             return params, compiled
         compiled[_grid3(grid)](*params, stream=_current_stream())
         return params, compiled
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    """What Triton specializes a tensor argument on: its dtype and 16-byte alignment."""
+    return t.dtype, t.data_ptr() % 16 == 0
+
+
+def _int_width_key(value: int) -> bool:
+    """What Triton specializes a do_not_specialize'd integer on: whether it fits in int32."""
+    return _INT32_MIN <= value <= _INT32_MAX
 
 
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:

@@ -26,11 +26,13 @@ class AttentionMetadata:
 @dataclass
 class LoRASideStream:
     """Where decode-sized LoRA products run beside the base projections (lora/layers.py): on `stream`,
-    forked from and joined back to `main` (the stream this forward pass is issued on), into `scratch`."""
+    forked from and joined back to `main` (the stream this forward pass is issued on), into `scratch`.
 
-    main: torch.cuda.Stream
+    `main` is None until lora_side_for_this_pass gives a forward pass its own copy."""
+
     stream: torch.cuda.Stream
     scratch: "LoRAScratch"
+    main: torch.cuda.Stream | None = None
 
 
 @dataclass
@@ -45,4 +47,3 @@ def lora_side_for_this_pass(side: LoRASideStream | None) -> LoRASideStream | Non
 
     Called once per forward pass: looking the current stream up costs ~8 us, too much for every layer."""
     return None if side is None else replace(side, main=torch.cuda.current_stream(side.stream.device))
-

@@ -92,8 +92,7 @@ class ModelRunner:
             if device.type == "cuda" and lora_layers:
                 scratch = allocate_lora_scratch([layer for _, layer in lora_layers],
                                                 min(LORA_DELTA_MAX_TOKENS, self.lora_meta_builder.max_tokens))
-                side = torch.cuda.Stream(device)
-                self.lora_side = LoRASideStream(torch.cuda.current_stream(device), side, scratch)
+                self.lora_side = LoRASideStream(torch.cuda.Stream(device), scratch)
         self.graph_runner = None
         if device.type == "cuda" and not enforce_eager:
             self._capture_graphs(scheduler_config.max_num_seqs, lora_layers)
