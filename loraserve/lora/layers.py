@@ -11,8 +11,9 @@ most its scratch's max_tokens tokens (decode steps and their CUDA graphs), the
 LoRA product runs on the side stream into a delta (model dtype, a view of the
 side stream's static scratch) while the base GEMM runs on the forward's stream;
 the two join before the next op, which adds the delta to its input (fused into
-the norm, SiLU and rotary kernels). The LoRA kernels thus leave the critical path
-of a decode step. Their launches are bound once per kernel shape
+the norm, SiLU and rotary kernels). The q/k/v layer issues its GEMM first, the
+others their LoRA kernels first (GEMM_FIRST_LAYERS). The LoRA kernels thus
+leave the critical path of a decode step. Their launches are bound once per kernel shape
 (kernels/lora_ops.BoundLoRADelta), so each later step, and each graph capture,
 costs two plain launches. Larger (prefill) steps add the product into the base
 output in place, in order: a [T, N] delta would cost too much memory there. Both
@@ -32,6 +33,13 @@ from loraserve.worker.forward_context import ForwardContext, LoRASideStream
 # Steps of up to this many tokens compute the LoRA product beside the base GEMM (on the side stream).
 LORA_DELTA_MAX_TOKENS = 512
 
+# Packed layers whose base GEMM is issued before the side-stream LoRA kernels (the others: after them).
+# The order of issue decides which branch a CUDA graph starts first. Measured on an H200 (docs/benchmarks.md,
+# sixth session), synthetic Llama-3-8B, 8 adapters at B=32: the q/k/v GEMM leaves SMs free, so issued first
+# it starts at once and its LoRA kernels still run beside it; the o, gate/up and down GEMMs fill every SM
+# and, issued first, hold their LoRA kernels back past their own end.
+GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
+
 # packed module name in the model -> checkpoint module names of its slices
 LORA_TARGETS = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -42,10 +50,12 @@ LORA_TARGETS = {
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], max_loras: int, max_rank: int):
+    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], max_loras: int, max_rank: int,
+                 gemm_first: bool = False):
         super().__init__()
         self.base = base
         self.slice_names = slice_names
+        self.gemm_first = gemm_first  # beside the GEMM: issue the GEMM before the LoRA kernels (GEMM_FIRST_LAYERS)
         self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
         if len(self.slice_offsets) != len(slice_names) + 1:
             raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
@@ -90,17 +100,25 @@ class LoRALinear(nn.Module):
         # x: [T, in] -> (y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's)
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
-        self._fork.record(side.main)
-        side.stream.wait_event(self._fork)  # x, the metadata and the slot weights are ready
-        torch.cuda.set_stream(side.stream)
-        try:
-            delta = self._launch_beside(x, meta, side.scratch)
-        finally:
-            torch.cuda.set_stream(side.main)
-        y, _ = self.base(x)
+        self._fork.record(side.main)  # x, the metadata and the slot weights are ready
+        if self.gemm_first:
+            y, _ = self.base(x)
+            delta = self._launch_on_side(x, meta, side)
+        else:
+            delta = self._launch_on_side(x, meta, side)
+            y, _ = self.base(x)
         self._join.record(side.stream)
         side.main.wait_event(self._join)
         return y, delta
+
+    def _launch_on_side(self, x: torch.Tensor, meta, side: LoRASideStream) -> torch.Tensor:
+        """The LoRA product of x on the side stream, after the fork; returns the delta."""
+        side.stream.wait_event(self._fork)
+        torch.cuda.set_stream(side.stream)
+        try:
+            return self._launch_beside(x, meta, side.scratch)
+        finally:
+            torch.cuda.set_stream(side.main)
 
     def _launch_beside(self, x: torch.Tensor, meta, scratch: LoRAScratch) -> torch.Tensor:
         """Launch the LoRA product of x into the scratch's delta (on the current stream); returns the delta."""
@@ -148,7 +166,7 @@ def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> list[tu
             for attr, slices in LORA_TARGETS.items():
                 base = getattr(parent, attr, None)
                 if isinstance(base, LinearBase):
-                    wrapper = LoRALinear(base, slices, max_loras, max_rank)
+                    wrapper = LoRALinear(base, slices, max_loras, max_rank, gemm_first=attr in GEMM_FIRST_LAYERS)
                     setattr(parent, attr, wrapper)
                     wrapped.append((layer_idx, wrapper))
     return wrapped
