@@ -35,9 +35,9 @@ LORA_DELTA_MAX_TOKENS = 512
 
 # Packed layers whose base GEMM is issued before the side-stream LoRA kernels (the others: after them).
 # The order of issue decides which branch a CUDA graph starts first. Measured on an H200 (docs/benchmarks.md,
-# sixth session), synthetic Llama-3-8B, 8 adapters at B=32: the q/k/v GEMM leaves SMs free, so issued first
-# it starts at once and its LoRA kernels still run beside it; the o, gate/up and down GEMMs fill every SM
-# and, issued first, hold their LoRA kernels back past their own end.
+# sixth session), synthetic Llama-3-8B, 8 adapters at B=32: issued first, the q/k/v GEMM starts at once and
+# its LoRA kernels still end beside it; the o, gate/up and down GEMMs, issued first, hold their LoRA kernels
+# back past their own end (issued second, they start 1-4 us late).
 GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
 
 # packed module name in the model -> checkpoint module names of its slices
