@@ -13,9 +13,9 @@ side stream's static scratch) while the base GEMM runs on the forward's stream;
 the two join before the next op, which adds the delta to its input (fused into
 the norm, SiLU and rotary kernels). The q/k/v layer issues its GEMM first, the
 others their LoRA kernels first (GEMM_FIRST_LAYERS). The LoRA kernels thus
-leave the critical path of a decode step. Their launches are bound once per kernel shape
-(kernels/lora_ops.BoundLoRADelta), so each later step, and each graph capture,
-costs two plain launches. Larger (prefill) steps add the product into the base
+leave the critical path of a decode step. Their launches are bound once per
+kernel shape (kernels/lora_ops.BoundLoRADelta), so each later step, and each
+graph capture, costs two plain launches. Larger (prefill) steps add the product into the base
 output in place, in order: a [T, N] delta would cost too much memory there. Both
 give the same numbers: round(y + round(product)), the product rounded to the
 model dtype first, as PEFT's separate LoRA output is.
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from loraserve.kernels.lora_ops import BoundLoRADelta, LoRAScratch, lora_apply, lora_apply_ref, lora_delta
-from loraserve.kernels.lora_shrink import shrink_config
+from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.models.linear import LinearBase
 from loraserve.worker.forward_context import ForwardContext, LoRASideStream
 
@@ -116,11 +116,11 @@ class LoRALinear(nn.Module):
         side.stream.wait_event(self._fork)
         torch.cuda.set_stream(side.stream)
         try:
-            return self._launch_beside(x, meta, side.scratch)
+            return self._launch_product(x, meta, side.scratch)
         finally:
             torch.cuda.set_stream(side.main)
 
-    def _launch_beside(self, x: torch.Tensor, meta, scratch: LoRAScratch) -> torch.Tensor:
+    def _launch_product(self, x: torch.Tensor, meta, scratch: LoRAScratch) -> torch.Tensor:
         """Launch the LoRA product of x into the scratch's delta (on the current stream); returns the delta."""
         num_tokens = x.shape[0]
         bound = self._bound.get(num_tokens)
@@ -175,7 +175,7 @@ def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> list[tu
 def allocate_lora_scratch(layers: list[LoRALinear], max_tokens: int) -> LoRAScratch:
     """Static scratch for the side-stream LoRA products of these layers, steps of up to max_tokens tokens."""
     first = layers[0]
-    splits = max(shrink_config(t, layer.in_features, layer.lora_a.shape[1]).split_k
+    splits = max(shrink_splits(t, layer.in_features, layer.lora_a.shape[1])
                  for layer in layers for t in (1, max_tokens))
     return LoRAScratch.allocate(max_tokens, max(layer.out_features for layer in layers),
                                 max(layer.lora_a.shape[1] for layer in layers), splits, first.lora_b.dtype,
