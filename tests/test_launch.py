@@ -127,8 +127,19 @@ def test_bound_launch_replaces_only_its_variable_arguments(kernel):
     assert kinds(kernel) == ["triton", "cached"]
     _, grid, params, stream = kernel.log[1]
     assert grid == (2, 1, 1) and stream == 1234
-    assert params[0] is x2 and params[1] is y and params[2:] == (7, 64, 128)
+    # tensors go to Triton's launcher as their device addresses
+    assert params[0] == x2.data_ptr() and params[1] == y.data_ptr() and params[2:] == (7, 64, 128)
     assert bound._params[0] is None  # the variable tensor is not kept after the call
+
+
+def test_bound_launch_on_a_given_stream(kernel):
+    """stream= sends the launch to that stream's handle instead of the current stream's."""
+    launcher = CachedLauncher(kernel)
+    x = torch.zeros(64)
+    bound = launcher.call_and_bind((4,), x, x, 100, 64, BLOCK=128, variable=("n",))
+    bound((2,), 7, stream=types.SimpleNamespace(cuda_stream=777))
+    bound((2,), 8)
+    assert [(entry[0], entry[3]) for entry in kernel.log[1:]] == [("cached", 777), ("cached", 1234)]
 
 
 def test_bound_launch_goes_through_triton_when_a_variable_argument_specializes_otherwise(kernel):

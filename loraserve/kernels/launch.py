@@ -152,32 +152,48 @@ class BoundLaunch:
     compiled kernel directly while each keeps what Triton specializes on (a tensor's
     dtype and alignment; an integer's value, or its width if do_not_specialize).
     Otherwise, and under the interpreter, the call goes through the launcher.
-    Variable tensors are not kept after the call.
+
+    The direct launch passes every tensor as its device address (an int), which
+    Triton's launcher takes as is; given the tensor it would call data_ptr() and
+    ask the driver to check the pointer, about 1 us per tensor. The fixed tensors
+    were checked by the first launch and are kept alive here, so their addresses
+    stay valid (they must not be given new storage); a variable tensor must be a
+    CUDA tensor. Variable tensors are not kept after the call. Launch hooks (a
+    profiler's) get the launch metadata Triton would give them, built from the
+    tensors.
     """
 
     def __init__(self, launcher: CachedLauncher, params: tuple, options: dict, variable: tuple[str, ...],
                  compiled: CompiledKernel | None):
         self._launcher = launcher
-        self._params = list(params)
+        self._params = list(params)  # every parameter (tensors as tensors: the launcher's path, hooks)
+        self._addresses = [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in params]  # the direct launch's
         self._options = options
         self._positions = tuple(launcher.arg_names.index(name) for name in variable)
         self._keys = tuple(launcher._arg_key(i, params[i]) for i in self._positions)
         self._compiled = compiled
 
-    def __call__(self, grid: tuple[int, ...], *values) -> None:
-        """Launch on the current stream with the variable parameters set to `values`, in their order."""
-        params, arg_key = self._params, self._launcher._arg_key
+    def __call__(self, grid: tuple[int, ...], *values, stream: torch.cuda.Stream | None = None) -> None:
+        """Launch on `stream` (default: the current stream) with the variable parameters set to `values`,
+        in their order."""
+        params, addresses, arg_key = self._params, self._addresses, self._launcher._arg_key
         same = self._compiled is not None
         for i, key, value in zip(self._positions, self._keys, values):
             params[i] = value
+            addresses[i] = value.data_ptr() if isinstance(value, torch.Tensor) else value
             same = same and arg_key(i, value) == key
         try:
             if same:
-                compiled, stream = self._compiled, _current_stream()
-                # what compiled[grid](*params) does, without building its closure per call
-                compiled.run(*_grid3(grid), stream, compiled.function, compiled.packed_metadata,
-                             compiled.launch_metadata(grid, stream, *params),
-                             knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *params)
+                compiled = self._compiled
+                handle = stream.cuda_stream if stream is not None else _current_stream()
+                # what compiled[grid](*params) does, without building its closure per call; the launch hooks
+                # (a profiler's) see the tensors in the launch metadata
+                compiled.run(*_grid3(grid), handle, compiled.function, compiled.packed_metadata,
+                             compiled.launch_metadata(grid, handle, *params), knobs.runtime.launch_enter_hook,
+                             knobs.runtime.launch_exit_hook, *addresses)
+            elif stream is not None:
+                with torch.cuda.stream(stream):
+                    self._launcher(grid, *params, **self._options)
             else:
                 self._launcher(grid, *params, **self._options)
         finally:

@@ -113,6 +113,7 @@ class BoundLoRADelta:
         self.shrink_cfg, self.expand_cfg = shrink_cfg, expand_cfg
         self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
         self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
+        self._grids: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}  # T -> (shrink grid, expand grid)
 
     def serves(self, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
         """Bound to these buffers (a call with the token count it was made or found for)."""
@@ -124,10 +125,15 @@ class BoundLoRADelta:
         return (self.serves(meta, scratch) and 0 < t <= scratch.max_tokens
                 and shrink_config(t, x.shape[1], self.sr) == self.shrink_cfg and expand_config(t) == self.expand_cfg)
 
-    def __call__(self, x: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """Launch on `stream` (default: the current stream)."""
         t = x.shape[0]
-        self.shrink(shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras), x, t, x.stride(0), x.stride(1))
-        self.expand(expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True), t)
+        grids = self._grids.get(t)
+        if grids is None:
+            grids = self._grids[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras),
+                                      expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True))
+        self.shrink(grids[0], x, t, x.stride(0), x.stride(1), stream=stream)
+        self.expand(grids[1], t, stream=stream)
 
 
 def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora_b: torch.Tensor,
