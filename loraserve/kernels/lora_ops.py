@@ -102,8 +102,9 @@ class BoundLoRADelta:
     """lora_delta bound to one layer's weights, one LoRAMeta, one scratch and one kernel shape.
 
     `bound(x)` launches the shrink and the expand for x: [T, in] with only x
-    checked (BoundLaunch): the host cost of a LoRA layer in a decode step, and
-    in a CUDA graph capture, is two launches. `fits` says whether it serves a call.
+    checked (BoundLaunch) and returns the delta: the host cost of a LoRA layer in
+    a decode step, and in a CUDA graph capture, is two launches. `fits` says
+    whether it serves a call.
     """
 
     def __init__(self, shrink: BoundLaunch, expand: BoundLaunch, shrink_cfg: ShrinkConfig,
@@ -113,7 +114,8 @@ class BoundLoRADelta:
         self.shrink_cfg, self.expand_cfg = shrink_cfg, expand_cfg
         self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
         self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
-        self._grids: dict[int, tuple[tuple[int, int], tuple[int, int]]] = {}  # T -> (shrink grid, expand grid)
+        # T -> (shrink grid, expand grid, delta view [T, N]): made once per token count, several us each
+        self._steps: dict[int, tuple[tuple[int, int], tuple[int, int], torch.Tensor]] = {}
 
     def serves(self, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
         """Bound to these buffers (a call with the token count it was made or found for)."""
@@ -125,15 +127,18 @@ class BoundLoRADelta:
         return (self.serves(meta, scratch) and 0 < t <= scratch.max_tokens
                 and shrink_config(t, x.shape[1], self.sr) == self.shrink_cfg and expand_config(t) == self.expand_cfg)
 
-    def __call__(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
-        """Launch on `stream` (default: the current stream)."""
+    def __call__(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Launch on `stream` (default: the current stream); returns the delta: [T, N], a view of the scratch."""
         t = x.shape[0]
-        grids = self._grids.get(t)
-        if grids is None:
-            grids = self._grids[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras),
-                                      expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True))
-        self.shrink(grids[0], x, t, x.stride(0), x.stride(1), stream=stream)
-        self.expand(grids[1], t, stream=stream)
+        step = self._steps.get(t)
+        if step is None:
+            step = self._steps[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras),
+                                     expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True),
+                                     self.scratch.delta_view(t, self.n_out))
+        shrink_grid_t, expand_grid_t, delta = step
+        self.shrink(shrink_grid_t, x, t, x.stride(0), x.stride(1), stream=stream)
+        self.expand(expand_grid_t, t, stream=stream)
+        return delta
 
 
 def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -15,10 +15,11 @@ the norm, SiLU and rotary kernels). The q/k/v layer issues its GEMM first, the
 others their LoRA kernels first (GEMM_FIRST_LAYERS). The LoRA kernels thus
 leave the critical path of a decode step. Their launches are bound once per
 kernel shape (kernels/lora_ops.BoundLoRADelta) and issued straight to the side
-stream, so each later step, and each graph capture, costs two plain launches. Larger (prefill) steps add the product into the base
-output in place, in order: a [T, N] delta would cost too much memory there. Both
-give the same numbers: round(y + round(product)), the product rounded to the
-model dtype first, as PEFT's separate LoRA output is.
+stream, so each later step, and each graph capture, costs two plain launches.
+Larger (prefill) steps add the product into the base output in place, in order:
+a [T, N] delta would cost too much memory there. Both give the same numbers:
+round(y + round(product)), the product rounded to the model dtype first, as
+PEFT's separate LoRA output is.
 """
 from __future__ import annotations
 
@@ -71,9 +72,8 @@ class LoRALinear(nn.Module):
         # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a capture)
         self._fork: torch.cuda.Event | None = None
         self._join: torch.cuda.Event | None = None
-        # by token count: the side-stream launches of this layer (one BoundLoRADelta per kernel shape) and the
-        # delta view they write (both reused every step: each costs several us to look up or make)
-        self._bound: dict[int, tuple[BoundLoRADelta, torch.Tensor]] = {}
+        # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
+        self._bound: dict[int, BoundLoRADelta] = {}
 
     @property
     def in_features(self) -> int:
@@ -116,9 +116,8 @@ class LoRALinear(nn.Module):
         """The LoRA product of x on the side stream, after the fork; returns the delta."""
         side.stream.wait_event(self._fork)
         bound = self._bound.get(x.shape[0])
-        if bound is not None and bound[0].serves(meta, side.scratch):  # every later step of this token count
-            bound[0](x, side.stream)
-            return bound[1]
+        if bound is not None and bound.serves(meta, side.scratch):  # every later step of this token count
+            return bound(x, side.stream)
         torch.cuda.set_stream(side.stream)
         try:
             return self._launch_and_bind(x, meta, side.scratch)
@@ -126,16 +125,14 @@ class LoRALinear(nn.Module):
             torch.cuda.set_stream(side.main)
 
     def _launch_and_bind(self, x: torch.Tensor, meta, scratch: LoRAScratch) -> torch.Tensor:
-        """Launch the LoRA product of x into the scratch's delta (on the current stream), through a bound
-        launch of its kernel shape (made here if none fits); keep it, and the delta view, for x's token count."""
-        num_tokens = x.shape[0]
-        bound = next((b for b, _ in self._bound.values() if b.fits(x, meta, scratch)), None)
+        """Launch the LoRA product of x into the scratch's delta (on the current stream) through a bound
+        launch of its kernel shape, made here if none fits, and keep it for x's token count; returns the delta."""
+        bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
         if bound is None:  # a new kernel shape (or new buffers): launched and bound by the kernels' wrappers
             delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets)
         else:
-            bound(x)
-            delta = scratch.delta_view(num_tokens, self.base.out_features)
-        self._bound[num_tokens] = (bound, delta)
+            delta = bound(x)
+        self._bound[x.shape[0]] = bound
         return delta
 
     @torch.no_grad()
