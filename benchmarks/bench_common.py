@@ -304,8 +304,12 @@ def print_engines(engines: dict[str, dict], with_kv_blocks: bool) -> None:
         extra = ""
         if info["num_graphs"]:
             extra = (f", {info['num_graphs']}/{info['num_buckets']} graphs up to batch {info['max_bucket']} "
-                     f"captured in {info['capture_seconds']:.1f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB "
+                     f"captured in {info['capture_seconds']:.3f} s using {info['graph_memory_bytes'] / 2**30:.2f} GiB "
                      f"(after {info['warmup_seconds']:.1f} s of warm-up forwards that compile the kernels)")
+            if "recapture_seconds" in info:
+                extra += (f"; captured again {len(info['recapture_seconds'])} times: median "
+                          f"{info['recapture_median_seconds']:.3f} s (" +
+                          ", ".join(f"{t:.3f}" for t in info["recapture_seconds"]) + ")")
         print(f"engine {mode}: built in {info['build_seconds']:.1f} s{blocks}{extra}")
 
 

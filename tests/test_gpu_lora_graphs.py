@@ -85,6 +85,22 @@ def test_graph_equals_eager_for_every_bucket_and_adapter_mix(setup):
                     assert row_diff <= 1e-2 * scale
 
 
+def test_timing_a_capture_again_leaves_the_graphs_as_they_were(setup):
+    """time_capture (benchmarks) captures every bucket into graphs it drops: the runner's graphs give the
+    same bits before and after, with adapters active."""
+    _, _, llm = setup
+    slots = llm.engine.lora_manager.prepare_slots({"a0", "a2"}, set())
+    gr = llm.engine.runner.graph_runner
+    token_slots = [slots["a0"], -1, slots["a2"], slots["a0"], -1]
+    before, eager, _ = _probe(llm, 5, token_slots, seed=7)
+    graphs = dict(gr.graphs)
+    assert gr.time_capture() > 0
+    assert gr.graphs == graphs
+    after, _, _ = _probe(llm, 5, token_slots, seed=7)
+    assert torch.equal(before, after)
+    assert (after.float() - eager.float()).abs().max() <= 1e-2 * eager.float().abs().max()
+
+
 def test_side_stream_delta_equals_in_place_lora(setup):
     """LoRA products on the side stream, added by the next kernel, give the bits of adding them in place."""
     _, _, llm = setup

@@ -16,6 +16,7 @@ class FakeCompiled(launch.CompiledKernel):
     def __init__(self, log):  # no CompiledKernel state: nothing is loaded
         self.module = None
         self.log = log
+        self.metadata_log = []  # (launch metadata, enter hook, exit hook) given to each direct launch
 
     function = packed_metadata = None
 
@@ -28,10 +29,11 @@ class FakeCompiled(launch.CompiledKernel):
     def run(self):  # the launcher under __getitem__, which BoundLaunch calls directly
         def run(grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter, exit, *params):
             self.log.append(("cached", (grid_x, grid_y, grid_z), params, stream))
+            self.metadata_log.append((launch_metadata, enter, exit))
         return run
 
     def launch_metadata(self, grid, stream, *params):
-        return None
+        return ("metadata", grid, stream, params)
 
     def __del__(self):
         pass
@@ -140,6 +142,27 @@ def test_bound_launch_on_a_given_stream(kernel):
     bound((2,), 7, stream=types.SimpleNamespace(cuda_stream=777))
     bound((2,), 8)
     assert [(entry[0], entry[3]) for entry in kernel.log[1:]] == [("cached", 777), ("cached", 1234)]
+
+
+def test_bound_launch_builds_launch_metadata_only_while_a_hook_is_set(kernel, monkeypatch):
+    """A profiler's launch hook gets the metadata Triton would build, from the tensors; without a hook
+    (None, or an empty hook chain) neither hooks nor metadata go to the launcher."""
+    launcher = CachedLauncher(kernel)
+    x, y, x2 = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    bound = launcher.call_and_bind((4,), x, y, 100, 64, BLOCK=128, variable=("x_ptr", "n"))
+    compiled = bound._compiled
+    hooks = {"none": None, "empty chain": types.SimpleNamespace(calls=[]), "chain": types.SimpleNamespace(calls=[print]),
+             "function": print}
+    for name, hook in hooks.items():
+        monkeypatch.setattr(launch, "knobs", types.SimpleNamespace(
+            runtime=types.SimpleNamespace(launch_enter_hook=hook, launch_exit_hook=None)))
+        bound((2,), x2, 7)
+        metadata, enter, leave = compiled.metadata_log[-1]
+        if name in ("none", "empty chain"):
+            assert metadata is None and enter is None and leave is None, name
+        else:
+            assert enter is hook
+            assert metadata[:3] == ("metadata", (2,), 1234) and metadata[3][0] is x2 and metadata[3][1:] == (y, 7, 64, 128)
 
 
 def test_bound_launch_goes_through_triton_when_a_variable_argument_specializes_otherwise(kernel):

@@ -148,19 +148,20 @@ class BoundLaunch:
     """A kernel launch with fixed arguments but for a few (`variable`) given on each call.
 
     Meant for launches repeated many times with the same buffers (the LoRA kernels
-    of a decode step): a call checks only the variable arguments, and launches the
-    compiled kernel directly while each keeps what Triton specializes on (a tensor's
-    dtype and alignment; an integer's value, or its width if do_not_specialize).
-    Otherwise, and under the interpreter, the call goes through the launcher.
+    of a decode step and of every graph capture): a call checks only the variable
+    arguments, and launches the compiled kernel directly while each keeps what
+    Triton specializes on (a tensor's dtype and alignment; an integer's value, or
+    its width if do_not_specialize). Otherwise, and under the interpreter, the
+    call goes through the launcher.
 
-    The direct launch passes every tensor as its device address (an int), which
-    Triton's launcher takes as is; given the tensor it would call data_ptr() and
-    ask the driver to check the pointer, about 1 us per tensor. The fixed tensors
-    were checked by the first launch and are kept alive here, so their addresses
-    stay valid (they must not be given new storage); a variable tensor must be a
-    CUDA tensor. Variable tensors are not kept after the call. Launch hooks (a
-    profiler's) get the launch metadata Triton would give them, built from the
-    tensors.
+    The direct launch hands Triton's launcher a ready argument list: every tensor
+    as its device address (an int), which it takes as is; given the tensor it
+    would call data_ptr() and ask the driver to check the pointer, about 1 us per
+    tensor. The fixed tensors were checked by the first launch and are kept alive
+    here, so their addresses stay valid (they must not be given new storage); a
+    variable tensor must be a CUDA tensor. Variable tensors are not kept after
+    the call. Launch hooks (a profiler's) and their metadata, built from the
+    tensors as Triton would build it, are passed only while a hook is set.
     """
 
     def __init__(self, launcher: CachedLauncher, params: tuple, options: dict, variable: tuple[str, ...],
@@ -169,33 +170,71 @@ class BoundLaunch:
         self._params = list(params)  # every parameter (tensors as tensors: the launcher's path, hooks)
         self._addresses = [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in params]  # the direct launch's
         self._options = options
-        self._positions = tuple(launcher.arg_names.index(name) for name in variable)
-        self._keys = tuple(launcher._arg_key(i, params[i]) for i in self._positions)
+        # per variable parameter: (position, how it is checked, what the bound kernel was specialized on)
+        self._variable = tuple(_variable_check(launcher, launcher.arg_names.index(name), params) for name in variable)
+        for i, _, _ in self._variable:
+            self._params[i] = None  # given on each call, not kept
         self._compiled = compiled
 
     def __call__(self, grid: tuple[int, ...], *values, stream: torch.cuda.Stream | None = None) -> None:
         """Launch on `stream` (default: the current stream) with the variable parameters set to `values`,
         in their order."""
-        params, addresses, arg_key = self._params, self._addresses, self._launcher._arg_key
-        same = self._compiled is not None
-        for i, key, value in zip(self._positions, self._keys, values):
-            params[i] = value
-            addresses[i] = value.data_ptr() if isinstance(value, torch.Tensor) else value
-            same = same and arg_key(i, value) == key
-        try:
-            if same:
-                compiled = self._compiled
-                handle = stream.cuda_stream if stream is not None else _current_stream()
-                # what compiled[grid](*params) does, without building its closure per call; the launch hooks
-                # (a profiler's) see the tensors in the launch metadata
-                compiled.run(*_grid3(grid), handle, compiled.function, compiled.packed_metadata,
-                             compiled.launch_metadata(grid, handle, *params), knobs.runtime.launch_enter_hook,
-                             knobs.runtime.launch_exit_hook, *addresses)
-            elif stream is not None:
-                with torch.cuda.stream(stream):
-                    self._launcher(grid, *params, **self._options)
+        compiled, addresses = self._compiled, self._addresses
+        same = compiled is not None
+        for (i, check, key), value in zip(self._variable, values):  # inlined _arg_key: this is the hot path
+            if check == _CHECK_TENSOR:
+                address = value.data_ptr()
+                same = same and value.dtype is key[0] and (address % 16 == 0) is key[1]
+                addresses[i] = address
             else:
+                same = same and (_INT32_MIN <= value <= _INT32_MAX if check == _CHECK_WIDTH else value) == key
+                addresses[i] = value
+        if not same:
+            self._through_launcher(grid, values, stream)
+            return
+        handle = stream.cuda_stream if stream is not None else _current_stream()
+        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        if _hook_set(enter) or _hook_set(leave):
+            metadata = self._launch_metadata(grid, handle, values)
+        else:  # no hook: none is called (the launcher would call an empty hook chain, twice per launch)
+            enter = leave = metadata = None
+        gx, gy, gz = grid if len(grid) == 3 else _grid3(grid)
+        compiled.run(gx, gy, gz, handle, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+                     *addresses)
+
+    def _with_values(self, values: tuple) -> list:
+        """Every parameter, the variable ones set to `values` (tensors as tensors)."""
+        params = list(self._params)
+        for (i, _, _), value in zip(self._variable, values):
+            params[i] = value
+        return params
+
+    def _launch_metadata(self, grid: tuple[int, ...], handle: int, values: tuple):
+        return self._compiled.launch_metadata(grid, handle, *self._with_values(values))
+
+    def _through_launcher(self, grid: tuple[int, ...], values: tuple, stream: torch.cuda.Stream | None) -> None:
+        params = self._with_values(values)
+        if stream is not None:
+            with torch.cuda.stream(stream):
                 self._launcher(grid, *params, **self._options)
-        finally:
-            for i in self._positions:
-                params[i] = None
+        else:
+            self._launcher(grid, *params, **self._options)
+
+
+# how BoundLaunch checks a variable parameter against the bound kernel's specialization
+_CHECK_TENSOR, _CHECK_WIDTH, _CHECK_VALUE = 0, 1, 2
+
+
+def _variable_check(launcher: CachedLauncher, index: int, params: tuple) -> tuple[int, int, object]:
+    """(index, check, key) for parameter `index` of a bound launch; key as CachedLauncher._arg_key gives it."""
+    value = params[index]
+    if isinstance(value, torch.Tensor):
+        check = _CHECK_TENSOR
+    else:
+        check = _CHECK_WIDTH if index in launcher._unspecialized else _CHECK_VALUE
+    return index, check, launcher._arg_key(index, value)
+
+
+def _hook_set(hook) -> bool:
+    """Whether a Triton launch hook is set: None, or an empty HookChain (newer Triton), means none."""
+    return hook is not None and bool(getattr(hook, "calls", True))

@@ -106,18 +106,37 @@ class CUDAGraphRunner:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         start = time.perf_counter()
         for batch in tqdm(order, desc="Capturing CUDA graphs", unit="graph", leave=False, disable=None):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                out = self._forward(batch)
-            if self._pool is None:
-                self._pool = graph.pool()
-            self.graphs[batch], self.outputs[batch] = graph, out
+            self.graphs[batch], self.outputs[batch] = self._capture_bucket(batch)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - start
         self.graph_memory_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
         logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s using %.2f GiB (warm-up and kernel "
                     "compilation before it: %.1f s)", len(self.graphs), self.buckets[0], self.buckets[-1],
                     self.capture_seconds, self.graph_memory_bytes / 2**30, self.warmup_seconds)
+
+    def _capture_bucket(self, batch: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The graph of one bucket, captured into the shared pool, and its static output [batch, D]."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = self._forward(batch)
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
+
+    @torch.inference_mode()
+    def time_capture(self) -> float:
+        """Seconds to capture every bucket again, largest first, into graphs dropped at once (the runner's
+        own graphs stay). For benchmarks: capture is host-bound, and on the GPU machines measured in
+        docs/benchmarks.md its time moves by up to 2x from one capture to the next, so one start-up capture is
+        a poor sample; they repeat this and take a median."""
+        if not self.graphs:
+            raise RuntimeError("time_capture needs the graphs captured first (their kernels compiled and bound)")
+        start = time.perf_counter()
+        dropped = [self._capture_bucket(batch) for batch in sorted(self.buckets, reverse=True)]
+        torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        del dropped
+        return seconds
 
     def _write_padding_only(self) -> None:
         i = self.inputs
