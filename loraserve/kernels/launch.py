@@ -195,7 +195,7 @@ class BoundLaunch:
         handle = stream.cuda_stream if stream is not None else _current_stream()
         enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
         if _hook_set(enter) or _hook_set(leave):
-            metadata = self._launch_metadata(grid, handle, values)
+            metadata = compiled.launch_metadata(grid, handle, *self._with_values(values))
         else:  # no hook: none is called (the launcher would call an empty hook chain, twice per launch)
             enter = leave = metadata = None
         gx, gy, gz = grid if len(grid) == 3 else _grid3(grid)
@@ -208,9 +208,6 @@ class BoundLaunch:
         for (i, _, _), value in zip(self._variable, values):
             params[i] = value
         return params
-
-    def _launch_metadata(self, grid: tuple[int, ...], handle: int, values: tuple):
-        return self._compiled.launch_metadata(grid, handle, *self._with_values(values))
 
     def _through_launcher(self, grid: tuple[int, ...], values: tuple, stream: torch.cuda.Stream | None) -> None:
         params = self._with_values(values)
