@@ -120,18 +120,17 @@ def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: di
     return info, rows, engine
 
 
-def time_captures(engines: dict, rounds: int) -> None:
+def time_captures(infos: dict, engines: dict, rounds: int) -> None:
     """Capture time again, `rounds` times per graph engine, the engines taking turns (so that a slow spell
-    of the host falls on both); adds each engine's times and their median to its info."""
-    runners = {mode: e.runner.graph_runner for mode, (_, e) in engines.items() if e.runner.graph_runner}
+    of the host falls on both); adds each engine's times and their median to its info in `infos`."""
+    runners = {mode: e.runner.graph_runner for mode, e in engines.items() if e.runner.graph_runner}
     times = {mode: [] for mode in runners}
     for _ in tqdm(range(rounds), desc="capture time, again", unit="round", disable=None):
         for mode, runner in runners.items():
             times[mode].append(runner.time_capture())
     for mode, seconds in times.items():
-        info = engines[mode][0]
-        info["recapture_seconds"] = seconds
-        info["recapture_median_seconds"] = statistics.median(seconds)
+        infos[mode]["recapture_seconds"] = seconds
+        infos[mode]["recapture_median_seconds"] = statistics.median(seconds)
 
 
 def find(rows, mode, key, batch) -> dict | None:
@@ -238,7 +237,7 @@ def main(argv=None) -> int:
             rows += mode_rows
             bc.write_json(args.out, "lora_decode.json", dict(report, results=results + rows))  # partial
         if args.capture_rounds:
-            time_captures({mode: (engines[mode], e) for mode, e in alive.items()}, args.capture_rounds)
+            time_captures(engines, alive, args.capture_rounds)
         del alive
         bc.release_memory()
         add_base_ratios(rows)

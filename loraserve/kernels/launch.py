@@ -80,20 +80,21 @@ class CachedLauncher:
                                     if name in unspecialized or i in unspecialized)
         self._compiled: dict[tuple, CompiledKernel] = {}
 
-    def _arg_key(self, index: int, value):
-        """What Triton specializes parameter `index` on, or finer (the part of `_compiled_for`'s key)."""
+    def _key_function(self, index: int, value):
+        """The function giving what Triton specializes parameter `index` on, or finer (the part of
+        `_compiled_for`'s key), for values of `value`'s kind."""
         if isinstance(value, torch.Tensor):
-            return _tensor_key(value)
+            return _tensor_key
         if index in self._unspecialized:
-            return _int_width_key(value)
-        return value
+            return _int_width_key
+        return _value_key
 
     def _launch_options(self, named: dict) -> dict:
         """The named arguments that are launch options (num_warps, ...), not kernel parameters."""
         return {k: v for k, v in named.items() if k not in self._arg_name_set}
 
     def _compiled_for(self, params: tuple, named: dict) -> tuple[tuple, CompiledKernel | None]:
-        # _arg_key of every parameter, spelled out: this runs on every launch
+        # _key_function of every parameter, spelled out: this runs on every launch
         key = [_tensor_key(v) if isinstance(v, torch.Tensor) else v for v in params]
         for i in self._unspecialized:
             key[i] = _int_width_key(key[i])
@@ -135,6 +136,11 @@ def _int_width_key(value: int) -> bool:
     return _INT32_MIN <= value <= _INT32_MAX
 
 
+def _value_key(value):
+    """What Triton specializes any other argument on (an integer's value, a constexpr): the value, or finer."""
+    return value
+
+
 def _grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
     return tuple(grid) + (1,) * (3 - len(grid))
 
@@ -170,8 +176,10 @@ class BoundLaunch:
         self._params = list(params)  # every parameter (tensors as tensors: the launcher's path, hooks)
         self._addresses = [p.data_ptr() if isinstance(p, torch.Tensor) else p for p in params]  # the direct launch's
         self._options = options
-        # per variable parameter: (position, how it is checked, what the bound kernel was specialized on)
-        self._variable = tuple(_variable_check(launcher, launcher.arg_names.index(name), params) for name in variable)
+        # per variable parameter: (position, its key function, what the bound kernel was specialized on)
+        positions = [launcher.arg_names.index(name) for name in variable]
+        key_functions = [launcher._key_function(i, params[i]) for i in positions]
+        self._variable = tuple((i, key_of, key_of(params[i])) for i, key_of in zip(positions, key_functions))
         for i, _, _ in self._variable:
             self._params[i] = None  # given on each call, not kept
         self._compiled = compiled
@@ -181,14 +189,9 @@ class BoundLaunch:
         in their order."""
         compiled, addresses = self._compiled, self._addresses
         same = compiled is not None
-        for (i, check, key), value in zip(self._variable, values):  # inlined _arg_key: this is the hot path
-            if check == _CHECK_TENSOR:
-                address = value.data_ptr()
-                same = same and value.dtype is key[0] and (address % 16 == 0) is key[1]
-                addresses[i] = address
-            else:
-                same = same and (_INT32_MIN <= value <= _INT32_MAX if check == _CHECK_WIDTH else value) == key
-                addresses[i] = value
+        for (i, key_of, key), value in zip(self._variable, values):
+            same = same and key_of(value) == key
+            addresses[i] = value.data_ptr() if key_of is _tensor_key else value
         if not same:
             self._through_launcher(grid, values, stream)
             return
@@ -198,8 +201,7 @@ class BoundLaunch:
             metadata = compiled.launch_metadata(grid, handle, *self._with_values(values))
         else:  # no hook: none is called (the launcher would call an empty hook chain, twice per launch)
             enter = leave = metadata = None
-        gx, gy, gz = grid if len(grid) == 3 else _grid3(grid)
-        compiled.run(gx, gy, gz, handle, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+        compiled.run(*_grid3(grid), handle, compiled.function, compiled.packed_metadata, metadata, enter, leave,
                      *addresses)
 
     def _with_values(self, values: tuple) -> list:
@@ -216,20 +218,6 @@ class BoundLaunch:
                 self._launcher(grid, *params, **self._options)
         else:
             self._launcher(grid, *params, **self._options)
-
-
-# how BoundLaunch checks a variable parameter against the bound kernel's specialization
-_CHECK_TENSOR, _CHECK_WIDTH, _CHECK_VALUE = 0, 1, 2
-
-
-def _variable_check(launcher: CachedLauncher, index: int, params: tuple) -> tuple[int, int, object]:
-    """(index, check, key) for parameter `index` of a bound launch; key as CachedLauncher._arg_key gives it."""
-    value = params[index]
-    if isinstance(value, torch.Tensor):
-        check = _CHECK_TENSOR
-    else:
-        check = _CHECK_WIDTH if index in launcher._unspecialized else _CHECK_VALUE
-    return index, check, launcher._arg_key(index, value)
 
 
 def _hook_set(hook) -> bool:

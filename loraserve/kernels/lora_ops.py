@@ -114,9 +114,8 @@ class BoundLoRADelta:
         self.shrink_cfg, self.expand_cfg = shrink_cfg, expand_cfg
         self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
         self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
-        # T -> (shrink grid, expand grid, delta view [T, N]): made once per token count, several us each;
-        # the grids in three dimensions, as the launcher takes them
-        self._steps: dict[int, tuple[tuple[int, int, int], tuple[int, int, int], torch.Tensor]] = {}
+        # T -> (shrink grid, expand grid, delta view [T, N]): made once per token count, several us each
+        self._steps: dict[int, tuple[tuple[int, int], tuple[int, int], torch.Tensor]] = {}
 
     def serves(self, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
         """Bound to these buffers (a call with the token count it was made or found for)."""
@@ -133,8 +132,8 @@ class BoundLoRADelta:
         t = x.shape[0]
         step = self._steps.get(t)
         if step is None:
-            step = self._steps[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras) + (1,),
-                                     expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True) + (1,),
+            step = self._steps[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras),
+                                     expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True),
                                      self.scratch.delta_view(t, self.n_out))
         shrink_grid_t, expand_grid_t, delta = step
         self.shrink(shrink_grid_t, x, t, x.stride(0), x.stride(1), stream=stream)
