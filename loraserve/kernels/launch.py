@@ -212,12 +212,8 @@ class BoundLaunch:
         return params
 
     def _through_launcher(self, grid: tuple[int, ...], values: tuple, stream: torch.cuda.Stream | None) -> None:
-        params = self._with_values(values)
-        if stream is not None:
-            with torch.cuda.stream(stream):
-                self._launcher(grid, *params, **self._options)
-        else:
-            self._launcher(grid, *params, **self._options)
+        with torch.cuda.stream(stream):  # None: a no-op, the current stream
+            self._launcher(grid, *self._with_values(values), **self._options)
 
 
 def _hook_set(hook) -> bool:
