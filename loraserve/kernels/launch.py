@@ -27,16 +27,48 @@ finishes; it must `gdc_wait()` before it reads anything that kernel writes);
 `CachedLauncher.call_and_bind` returns a `BoundLaunch`: the same launch again
 with only a few arguments given anew (for the LoRA kernels of every decode step,
 whose buffers never change), which skips the argument list and key.
+
+The direct launch is a micro-optimisation behind one documented seam with a
+plain fallback: it drives Triton's internals (`CompiledKernel`, its `run`
+launcher and `packed_metadata`, `driver.active`'s current stream, the launch
+hooks in `knobs.runtime`), so it is used only on the Triton versions it was
+tested with (`TESTED_TRITON_VERSIONS`) and only while it works. On any other
+version, if those internals cannot be imported, or once a direct launch raises
+what a changed internal raises (`_INTERNALS_CHANGED`), launches go through the
+public `kernel[grid](...)` (the same kernels and results, the host cost of
+Triton's own path) after one warning naming the Triton version and what failed.
+`_fast_path` is the one switch; it costs nothing per launch (it is consulted
+when a compiled kernel would be cached, and on a failure).
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import re
+import warnings
 
 import torch
-from triton import knobs
-from triton.compiler import CompiledKernel
-from triton.runtime import driver
+import triton
+
+try:  # Triton's internals: only the direct launch uses them
+    from triton import knobs
+    from triton.compiler import CompiledKernel
+    from triton.runtime import driver
+except ImportError as error:
+    knobs = CompiledKernel = driver = None
+    _INTERNALS_IMPORT_ERROR: ImportError | None = error
+else:
+    _INTERNALS_IMPORT_ERROR = None
+
+# The Triton releases (major, minor) the direct launch was tested with: 3.6 on the GPU (CUDA), 3.9 in the
+# CPU tests (a stand-in compiled kernel). pyproject.toml allows 3.6 to 3.9; any other release, 3.7 and 3.8
+# included, launches through kernel[grid].
+TESTED_TRITON_VERSIONS = frozenset({(3, 6), (3, 9)})
+
+# What a direct launch raises when Triton's internals changed under it (a renamed attribute, a new
+# signature, a moved module). A launch that itself fails (RuntimeError, OutOfResources, a bad pointer's
+# ValueError) would fail through kernel[grid] too: that propagates.
+_INTERNALS_CHANGED = (AttributeError, TypeError, ImportError, KeyError, IndexError)
 
 _INT32_MIN, _INT32_MAX = -2**31, 2**31 - 1
 
@@ -65,6 +97,53 @@ def pdl_launch(t: torch.Tensor, wanted: bool = True) -> dict:
 @functools.lru_cache(maxsize=None)
 def _major_capability(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
+
+
+class _FastPath:
+    """Whether compiled kernels are launched directly, through Triton's internals.
+
+    Decided once, by the first compiled kernel (none under the interpreter), from
+    the Triton version and the imports of the internals; turned off for good by
+    the first direct launch that raises. Turning off warns once. Read only where a
+    compiled kernel would be cached, never per launch: kernels cached while it was
+    on stay with their launcher until a direct launch of that launcher raises.
+    """
+
+    def __init__(self, version: str, import_error: ImportError | None = None):
+        self.version = version
+        self._import_error = import_error
+        self._on: bool | None = None  # None: not decided yet
+
+    def accepts(self, compiled) -> bool:
+        """Whether `compiled`, what kernel[grid] returned, may be cached and launched directly."""
+        if compiled is None:  # the interpreter: nothing compiled, nothing to decide
+            return False
+        if self._on is None:
+            self._on = True
+            reason = self._ruled_out()
+            if reason is not None:
+                self.turn_off(reason)
+        return self._on and isinstance(compiled, CompiledKernel)
+
+    def _ruled_out(self) -> str | None:
+        """Why the direct launch may not be used with this Triton at all, or None."""
+        if self._import_error is not None:
+            return f"importing its internals failed: {self._import_error!r}"
+        match = re.match(r"(\d+)\.(\d+)", self.version)
+        if match is None or (int(match[1]), int(match[2])) not in TESTED_TRITON_VERSIONS:
+            tested = ", ".join(f"{major}.{minor}" for major, minor in sorted(TESTED_TRITON_VERSIONS))
+            return f"the direct launch was tested only with Triton {tested}"
+        return None
+
+    def turn_off(self, reason: str) -> None:
+        """Launch through kernel[grid] from now on; warns the first time."""
+        if self._on is not False:
+            warnings.warn(f"loraserve: Triton {self.version}: {reason}; launching kernels through "
+                          "kernel[grid] (the same results, more host time per launch)", RuntimeWarning)
+        self._on = False
+
+
+_fast_path = _FastPath(triton.__version__, _INTERNALS_IMPORT_ERROR)  # the one switch of the direct launch
 
 
 class CachedLauncher:
@@ -118,12 +197,22 @@ class CachedLauncher:
         key, compiled = self._compiled_for(params, named)
         if compiled is None:
             compiled = self.kernel[grid](*args, **named)  # binds, specializes, compiles if need be, launches
-            if not isinstance(compiled, CompiledKernel):
+            if not _fast_path.accepts(compiled):
                 return params, None
             self._compiled[key] = compiled
             return params, compiled
-        compiled[_grid3(grid)](*params, stream=_current_stream())
+        try:
+            compiled[_grid3(grid)](*params, stream=_current_stream())
+        except _INTERNALS_CHANGED as error:
+            self._direct_launch_failed(error)
+            self.kernel[grid](*args, **named)
+            return params, None
         return params, compiled
+
+    def _direct_launch_failed(self, error: Exception) -> None:
+        """A direct launch raised: turn the fast path off and drop the compiled kernels (launched no more)."""
+        _fast_path.turn_off(f"a direct launch raised {error!r}")
+        self._compiled.clear()
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -167,7 +256,9 @@ class BoundLaunch:
     here, so their addresses stay valid (they must not be given new storage); a
     variable tensor must be a CUDA tensor. Variable tensors are not kept after
     the call. Launch hooks (a profiler's) and their metadata, built from the
-    tensors as Triton would build it, are passed only while a hook is set.
+    tensors as Triton would build it, are passed only while a hook is set. If the
+    direct launch raises (`_INTERNALS_CHANGED`), this and every later call go
+    through the launcher.
     """
 
     def __init__(self, launcher: CachedLauncher, params: tuple, options: dict, variable: tuple[str, ...],
@@ -195,14 +286,19 @@ class BoundLaunch:
         if not same:
             self._through_launcher(grid, values, stream)
             return
-        handle = stream.cuda_stream if stream is not None else _current_stream()
-        enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
-        if _hook_set(enter) or _hook_set(leave):
-            metadata = compiled.launch_metadata(grid, handle, *self._with_values(values))
-        else:  # no hook: none is called (the launcher would call an empty hook chain, twice per launch)
-            enter = leave = metadata = None
-        compiled.run(*_grid3(grid), handle, compiled.function, compiled.packed_metadata, metadata, enter, leave,
-                     *addresses)
+        try:
+            handle = stream.cuda_stream if stream is not None else _current_stream()
+            enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+            if _hook_set(enter) or _hook_set(leave):
+                metadata = compiled.launch_metadata(grid, handle, *self._with_values(values))
+            else:  # no hook: none is called (the launcher would call an empty hook chain, twice per launch)
+                enter = leave = metadata = None
+            compiled.run(*_grid3(grid), handle, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+                         *addresses)
+        except _INTERNALS_CHANGED as error:
+            self._launcher._direct_launch_failed(error)
+            self._compiled = None
+            self._through_launcher(grid, values, stream)
 
     def _with_values(self, values: tuple) -> list:
         """Every parameter, the variable ones set to `values` (tensors as tensors)."""
