@@ -151,6 +151,22 @@ def decode_floor(engine, batch: int, mean_context: float, extra_bytes: int, band
             "floor_s": total / bandwidth}
 
 
+def time_capture(graph_runner) -> float:
+    """Seconds to capture every bucket again, largest first, into graphs dropped at once (the runner's own
+    graphs stay). Capture is host-bound and its time moves by up to 2x from one capture to the next on the
+    GPU machines measured, so one start-up capture is a poor sample: the benchmarks repeat this and take a
+    median."""
+    if not graph_runner.graphs:
+        raise RuntimeError("time_capture needs the graphs captured first (their kernels compiled and bound)")
+    with torch.inference_mode():
+        start = time.perf_counter()
+        dropped = [graph_runner.capture_bucket(b) for b in sorted(graph_runner.buckets, reverse=True)]
+        torch.cuda.synchronize(graph_runner.device)
+        seconds = time.perf_counter() - start
+    del dropped  # freed after timing
+    return seconds
+
+
 def engine_info(engine, build_seconds: float) -> dict:
     """Graph capture cost and cache size of an engine."""
     graphs = engine.runner.graph_runner
@@ -178,8 +194,8 @@ def decode_fits(engine, batch: int, context: int, num_steps: int) -> str | None:
     total = context + num_steps
     if total >= engine.max_model_len:
         return f"context {context} + {num_steps} steps reaches max_model_len {engine.max_model_len}"
-    if batch > engine.scheduler_config.max_num_seqs:
-        return f"batch {batch} > max_num_seqs {engine.scheduler_config.max_num_seqs}"
+    if batch > engine.config.scheduler.max_num_seqs:
+        return f"batch {batch} > max_num_seqs {engine.config.scheduler.max_num_seqs}"
     need = batch * -(-total // engine.block_manager.block_size)
     if need > engine.block_manager.num_free_blocks:
         return f"needs {need} KV blocks, {engine.block_manager.num_free_blocks} free"
@@ -249,7 +265,7 @@ def run_decode_case(engine, batch: int, context: int, adapters: list[str | None]
     floor = decode_floor(engine, batch, context + args.warmup + (args.steps - 1) / 2, extra_bytes, bandwidth)
     graphs = engine.runner.graph_runner
     return dict(itl_s=itl, itl_min_s=min(times), tok_s=batch / itl,
-                used_graph=graphs is not None and graphs.can_run(batch), floor_ratio=itl / floor["floor_s"],
+                used_graph=graphs is not None and graphs.bucket_for(batch) is not None, floor_ratio=itl / floor["floor_s"],
                 gb_s=floor["bytes"] / itl / 1e9, **floor)
 
 

@@ -19,6 +19,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench_common import fill_kv_random, start_decode_batch  # noqa: E402
+from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.synthetic import random_adapter  # noqa: E402
 
@@ -32,11 +33,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     lora = dict(enable_lora=True, max_loras=max(1, args.adapters), max_lora_rank=16) if args.adapters else {}
-    engine = LLMEngine(args.model, max_model_len=args.context + 256, max_num_seqs=max(args.batch, 1),
-                       gpu_memory_utilization=0.85, **lora)
+    engine = LLMEngine.from_args(EngineArgs(args.model, max_model_len=args.context + 256,
+                                            max_num_seqs=max(args.batch, 1), gpu_memory_utilization=0.85, **lora))
     names = []
     for i in range(args.adapters):
-        engine.lora_manager.register_adapter(f"a{i}", random_adapter(engine.lora_manager.spec, f"a{i}", 16, seed=i))
+        engine.lora_manager.register_adapter(f"a{i}", random_adapter(engine.lora_manager.runtime.spec, f"a{i}", 16, seed=i))
         names.append(f"a{i}")
     fill_kv_random(engine)
     start_decode_batch(engine, args.batch, args.context, args.steps + 40, names or [None])

@@ -26,6 +26,8 @@ import numpy as np  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from loraserve import SamplingParams  # noqa: E402
+from loraserve.config import EngineArgs  # noqa: E402
+from loraserve.engine.engine import LLMEngine  # noqa: E402
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -89,8 +91,6 @@ def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: n
 
 
 def main(argv=None) -> int:
-    from loraserve.engine.engine import LLMEngine
-
     args = parse_args(argv)
     device = bc.bench_device(args.device)
     rng = np.random.default_rng(args.seed)
@@ -106,9 +106,10 @@ def main(argv=None) -> int:
     if limit is not None and needed > limit:
         raise SystemExit(f"prompt + output lengths need {needed} positions; {args.model} has {limit}")
     t0 = time.perf_counter()
-    engine = LLMEngine(args.model, device=device, dtype=args.dtype, max_model_len=needed,
-                       max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
-                       gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=args.async_scheduling)
+    engine = LLMEngine.from_args(EngineArgs(
+        args.model, device=device, dtype=args.dtype, max_model_len=needed, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+        async_scheduling=args.async_scheduling))
     info = bc.engine_info(engine, time.perf_counter() - t0)
     vocab = engine.hf_config.vocab_size
     prompts = [rng.integers(0, vocab, k).tolist() for k in prompt_lens]

@@ -1,4 +1,9 @@
-"""Engine configuration: frozen dataclasses, validated when made."""
+"""Engine configuration: the options a user sets (EngineArgs) and the frozen, validated EngineConfig built
+from them once, before the model's weights are loaded, and passed to every part of the engine.
+
+Derived values (the step's token bound, the metadata sizes that follow from it) are computed here and
+nowhere else.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,6 +15,8 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
+DEFAULT_MAX_MODEL_LEN = 8192  # when the user gives none and the model allows more
+CPU_STEP_TOKENS, CUDA_STEP_TOKENS = 2048, 8192  # default token budget of one step
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -35,6 +42,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of float32, bfloat16, float16, auto")
     return _DTYPES[dtype]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model runs where, in what precision, and the longest sequence it serves."""
+
+    model: str | None  # an HF folder, a .gguf file or synthetic:NAME; None: the built-in default model
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int  # prompt + generated tokens of one sequence
+    seed: int = 0  # the sampler's generator for requests without a seed of their own
+
+    def __post_init__(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
 
 @dataclass(frozen=True)
@@ -73,10 +95,17 @@ class SchedulerConfig:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one forward pass can hold: a scheduled step stays within the token budget, and a
+        decode step padded to its CUDA graph bucket holds at most max_num_seqs rows. Step buffers (the LoRA
+        metadata and its kernels' tile counters) are sized for this."""
+        return max(self.max_num_batched_tokens, self.max_num_seqs)
+
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA limits: GPU slots, largest rank, CPU cache size."""
+    """Multi-LoRA limits: GPU slots (at most this many distinct adapters in one step), largest rank, CPU cache."""
 
     max_loras: int = 4
     max_lora_rank: int = 64
@@ -89,3 +118,82 @@ class LoRAConfig:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
         if self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine is built from; made once by EngineArgs.create_config."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    lora: LoRAConfig | None  # None: LoRA is off (no LoRA layers, kernels or metadata)
+    enforce_eager: bool = False  # no CUDA graphs
+    async_scheduling: bool = True  # launch the next step before reading the tokens of the one in flight
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """The engine options a user sets (the keywords of `LLM(...)`, the flags of `loraserve generate` and
+    `loraserve serve`), with their defaults; nothing is resolved yet."""
+
+    model: str | None = None
+    device: str | torch.device | None = None  # None: CUDA when present
+    dtype: str | torch.dtype | None = None  # None/"auto": bfloat16 on CUDA, float32 on CPU
+    max_model_len: int | None = None  # None: the model's limit, at most DEFAULT_MAX_MODEL_LEN
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None: CPU_/CUDA_STEP_TOKENS, at least max_num_seqs
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0
+    num_gpu_blocks_override: int | None = None
+    enforce_eager: bool = False
+    async_scheduling: bool = True
+    seed: int = 0
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 16
+
+    def check(self) -> None:
+        """Validate what does not depend on the model (before anything is read from disk)."""
+        self._device_and_dtype()
+        self._cache()
+        self._lora()
+
+    def create_config(self, max_position_embeddings: int, sliding_window: int | None) -> EngineConfig:
+        """The engine's config for a model of this many positions and this attention window (None: full
+        attention). Sliding-window attention is not implemented, so the window bounds max_model_len, where
+        full attention computes the same thing."""
+        device, dtype = self._device_and_dtype()
+        limit = max_position_embeddings
+        if self.max_model_len is not None and self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
+                             f"{limit}")
+        if sliding_window is not None:
+            if self.max_model_len is not None and self.max_model_len > sliding_window:
+                raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding attention window "
+                                 f"{sliding_window}, which loraserve does not implement yet")
+            limit = min(limit, sliding_window)
+        max_model_len = self.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(CPU_STEP_TOKENS if device.type == "cpu" else CUDA_STEP_TOKENS, self.max_num_seqs)
+        return EngineConfig(
+            model=ModelConfig(self.model, device, dtype, max_model_len, self.seed),
+            cache=self._cache(),
+            scheduler=SchedulerConfig(self.max_num_seqs, budget, max_model_len),
+            lora=self._lora(),
+            enforce_eager=self.enforce_eager,
+            async_scheduling=self.async_scheduling)
+
+    def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
+        device = resolve_device(self.device)
+        return device, resolve_dtype(self.dtype, device)
+
+    def _cache(self) -> CacheConfig:
+        return CacheConfig(self.block_size, self.gpu_memory_utilization, self.cpu_kv_cache_gb,
+                           self.num_gpu_blocks_override)
+
+    def _lora(self) -> LoRAConfig | None:
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None

@@ -1,7 +1,8 @@
 """Test fixtures: tiny random HF models (Llama, Llama-3 RoPE, Mistral, Qwen2), their tokenizer and PEFT adapters.
 
-Use from a test module with `from model_fixtures import tiny_model_factory, ...` (pytest puts tests/ on
-sys.path). Models are fp32, seeded, with weights large enough that logits are far from flat; every
+The fixtures built on these (`tiny_tokenizer`, `tiny_model_factory`, `tiny_model_dir`) live in
+tests/conftest.py; test modules import the helpers (`make_lora_adapters`, ...) from here (pytest puts tests/
+on sys.path). Models are fp32, seeded, with weights large enough that logits are far from flat; every
 folder holds `config.json`, safetensors weights and a tokenizer with a chat template. The tokenizer is the
 default model's (SmolLM2, from its GGUF) where that is installed, else a small byte-level BPE built here,
 so the fixtures also work on machines without the GGUF (the GPU machine).
@@ -9,10 +10,8 @@ so the fixtures also work on machines without the GGUF (the GPU machine).
 from __future__ import annotations
 
 import copy
-import json
 import os
 
-import pytest
 import torch
 
 ARCHS = ("llama", "llama3_rope", "mistral", "qwen2")
@@ -166,30 +165,3 @@ def make_lora_adapters(model_dir: str, out_dir, specs: list[dict], *, seed: int 
         peft_model.save_pretrained(path)
         paths.append(path)
     return paths
-
-
-@pytest.fixture(scope="session")
-def tiny_tokenizer():
-    """The tokenizer every tiny model is saved with (built once per session)."""
-    return make_tokenizer()
-
-
-@pytest.fixture(scope="session")
-def tiny_model_factory(tmp_path_factory, tiny_tokenizer):
-    """`factory(arch, **make_tiny_model keywords) -> folder`; each distinct request is built once."""
-    built: dict[str, str] = {}
-
-    def factory(arch: str, **options) -> str:
-        key = json.dumps([arch, options], sort_keys=True, default=str)
-        if key not in built:
-            folder = tmp_path_factory.mktemp(f"tiny-{arch}")
-            built[key] = make_tiny_model(folder, arch, tokenizer=tiny_tokenizer, **options)
-        return built[key]
-
-    return factory
-
-
-@pytest.fixture(params=ARCHS)
-def tiny_model_dir(request, tiny_model_factory) -> str:
-    """A tiny model folder, once per arch in ARCHS."""
-    return tiny_model_factory(request.param)

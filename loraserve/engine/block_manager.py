@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from loraserve.engine.request import Sequence
+from loraserve.sequence import Sequence
 
 
 class BlockManager:

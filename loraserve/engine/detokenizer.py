@@ -1,7 +1,7 @@
 """Incremental detokenization and stop-string matching."""
 from __future__ import annotations
 
-from loraserve.engine.request import Sequence
+from loraserve.sequence import Sequence
 
 _REPLACEMENT = "\ufffd"
 

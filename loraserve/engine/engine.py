@@ -14,86 +14,61 @@ from __future__ import annotations
 import itertools
 import logging
 
-
-from loraserve.config import CacheConfig, LoRAConfig, SchedulerConfig, resolve_device, resolve_dtype
+from loraserve.config import EngineArgs, EngineConfig
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.detokenizer import append_new_text, find_stop_string
-from loraserve.engine.request import Sequence
 from loraserve.engine.scheduler import Scheduler
 from loraserve.engine.stats import EngineStats
 from loraserve.errors import InvalidRequestError, PromptTooLongError, UnknownLoRAError
 from loraserve.lora.adapter import LoRAAdapterError
+from loraserve.lora.manager import LoRAManager
 from loraserve.lora.request import LoRARequest
-from loraserve.models.llama import attention_window
-from loraserve.models.loader import load_model
+from loraserve.lora.runtime import LoRARuntime
+from loraserve.models.loader import LoadedModel, open_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
+from loraserve.sequence import SchedulerOutput, Sequence
 from loraserve.worker.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """The synchronous engine. Not thread-safe: call it from one thread (AsyncLLMEngine does)."""
+    """The synchronous engine. Not thread-safe: call it from one thread (AsyncLLMEngine does).
 
-    def __init__(self, model: str | None = None, *, device=None, dtype=None, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, enforce_eager: bool = False, seed: int = 0, enable_lora: bool = False,
-                 max_loras: int = 4, max_lora_rank: int = 64, max_cpu_loras: int = 16, block_size: int = 16,
-                 max_num_batched_tokens: int | None = None, gpu_memory_utilization: float = 0.9,
-                 cpu_kv_cache_gb: float = 2.0, num_gpu_blocks_override: int | None = None,
-                 async_scheduling: bool = True):
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        # settings that don't depend on the model are checked before the (slow) load
-        self.cache_config = CacheConfig(block_size, gpu_memory_utilization, cpu_kv_cache_gb, num_gpu_blocks_override)
-        self.lora_config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras) if enable_lora else None
-        loaded = load_model(model, self.device, self.dtype)
+    Build it with `LLMEngine.from_args(EngineArgs(...))`; `__init__` takes the resolved config and the
+    loaded model."""
+
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.hf_config = loaded.hf_config
         self.eos_token_ids = set(loaded.generation_eos_ids)
-        model_limit = int(getattr(self.hf_config, "max_position_embeddings", 2048))
-        if max_model_len is not None and max_model_len > model_limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {model_limit}")
-        window = attention_window(self.hf_config)
-        if window is not None:
-            if max_model_len is not None and max_model_len > window:
-                raise ValueError(f"max_model_len {max_model_len} exceeds the model's sliding attention window "
-                                 f"{window}, which loraserve does not implement yet")
-            model_limit = min(model_limit, window)
-        self.max_model_len = max_model_len or min(model_limit, 8192)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048 if self.device.type == "cpu" else 8192, max_num_seqs)
-        self.scheduler_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, self.max_model_len)
-        self.lora_manager = None
-        if self.lora_config is not None:
-            self.lora_manager = self._make_lora_manager(loaded.model)
-        self.runner = ModelRunner(loaded.model, self.device, self.dtype, self.cache_config,
-                                  self.scheduler_config, seed, max_loras if enable_lora else 0, enforce_eager,
-                                  self.lora_manager.layers if self.lora_manager else None)
-        self.block_manager = BlockManager(self.runner.num_blocks, block_size)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager, max_loras,
-                                   self.lora_manager.pinned if self.lora_manager else None)
+        self.lora_manager: LoRAManager | None = None
+        runtime = None
+        if config.lora is not None:
+            runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name)
+            self.lora_manager = LoRAManager(config.lora, runtime)
+        self.runner = ModelRunner(loaded.model, config, runtime)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora,
+                                   (lambda: self.lora_manager.pinned) if self.lora_manager else frozenset)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self.async_scheduling = async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
 
-    def _make_lora_manager(self, model):
-        from loraserve.lora.adapter import LoRAModelSpec
-        from loraserve.lora.layers import wrap_lora_layers
-        from loraserve.lora.manager import LoRAManager
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> "LLMEngine":
+        """Check the options, read the model's config, resolve the engine's config, then load the model."""
+        args.check()  # settings that don't depend on the model fail before anything is read
+        source = open_model(args.model)
+        config = args.create_config(source.max_position_embeddings, source.sliding_window)
+        return cls(config, source.load(config.model.device, config.model.dtype))
 
-        cfg = self.hf_config
-        layers = wrap_lora_layers(model, self.lora_config.max_loras, self.lora_config.max_lora_rank)
-        attn = model.model.layers[0].self_attn
-        d, q, kv, inter = cfg.hidden_size, attn.q_size, attn.kv_size, cfg.intermediate_size
-        spec = LoRAModelSpec(
-            num_layers=cfg.num_hidden_layers,
-            modules={"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
-                     "gate_proj": (d, inter), "up_proj": (d, inter), "down_proj": (inter, d)},
-            model_name=self.model_name)
-        return LoRAManager(self.lora_config, layers, spec, self.device, self.dtype)
+    @property
+    def max_model_len(self) -> int:
+        return self.config.model.max_model_len
 
     # -- adapters -------------------------------------------------------------
     def _require_lora(self, what: str) -> None:
@@ -186,12 +161,12 @@ class LLMEngine:
         outputs = self._launch(self.scheduler.schedule(), in_flight)
         if in_flight is not None:
             outputs += self._read(in_flight)
-        if not self.async_scheduling and self._in_flight is not None:
+        if not self.config.async_scheduling and self._in_flight is not None:
             launched, self._in_flight = self._in_flight, None
             outputs += self._read(launched)
         return outputs
 
-    def _launch(self, out, in_flight: LaunchedStep | None) -> list[RequestOutput]:
+    def _launch(self, out: SchedulerOutput, in_flight: LaunchedStep | None) -> list[RequestOutput]:
         """Start `out` on the device (kept in self._in_flight); returns the outputs of requests failed on
         the way (a broken adapter)."""
         if out.is_empty:
@@ -268,14 +243,14 @@ class LLMEngine:
                              seq.lora_name, seq.error)
 
     def stats(self) -> EngineStats:
+        """A snapshot of the engine's state (reading it changes nothing)."""
         mgr = self.lora_manager
-        load_seconds = []
-        if mgr is not None:
-            load_seconds, mgr.load_seconds = mgr.load_seconds, []
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.block_manager.num_blocks, kv_blocks_used=self.block_manager.num_used_blocks,
-            lora_slots_total=self.lora_config.max_loras if self.lora_config else 0,
+            lora_slots_total=self.config.lora.max_loras if mgr else 0,
             lora_slots_used=mgr.num_slots_used if mgr else 0,
             loras_on_gpu=mgr.resident_on_gpu if mgr else [], loras_on_cpu=mgr.resident_on_cpu if mgr else [],
-            lora_refcounts=dict(mgr.refcounts) if mgr else {}, lora_load_seconds=load_seconds)
+            lora_refcounts=dict(mgr.refcounts) if mgr else {},
+            lora_loads=mgr.num_loads if mgr else 0,
+            lora_recent_load_seconds=list(mgr.recent_load_seconds) if mgr else [])

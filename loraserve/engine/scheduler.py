@@ -15,45 +15,23 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from typing import AbstractSet, Callable
 
-from loraserve.config import SchedulerConfig
+from loraserve.config import LoRAConfig, SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.request import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledSequence:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the sequence and so samples a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from loraserve.sequence import ScheduledSequence, SchedulerOutput, Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, max_loras: int,
-                 pinned_loras: set[str] | None = None):
+    """Queues and step building. `lora`: the adapter limits (None: LoRA off); `pinned_loras` names the
+    adapters that hold a GPU slot for good (asked at each step; the LoRA manager owns that set)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora: LoRAConfig | None = None,
+                 pinned_loras: Callable[[], AbstractSet[str]] = frozenset):
         self.config = config
         self.block_manager = block_manager
-        self.max_loras = max_loras
-        self.pinned_loras = pinned_loras if pinned_loras is not None else set()  # always hold a slot
+        self.max_loras = lora.max_loras if lora is not None else 0
+        self._pinned_loras = pinned_loras
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
@@ -111,13 +89,14 @@ class Scheduler:
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         adapter_blocked = False
         admitted: list[Sequence] = []
+        pinned = self._pinned_loras()
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            if seq.lora_name is not None and seq.lora_name not in self.pinned_loras:
+            if seq.lora_name is not None and seq.lora_name not in pinned:
                 if adapter_blocked:
                     continue
-                resident = self._running_loras.keys() | self.pinned_loras
+                resident = self._running_loras.keys() | pinned
                 if seq.lora_name not in resident and len(resident) >= self.max_loras:
                     adapter_blocked = True
                     continue

@@ -15,4 +15,5 @@ class EngineStats:
     loras_on_gpu: list[str] = field(default_factory=list)  # adapters resident in device slots
     loras_on_cpu: list[str] = field(default_factory=list)  # adapters in the CPU cache
     lora_refcounts: dict[str, int] = field(default_factory=dict)  # requests in flight per adapter
-    lora_load_seconds: list[float] = field(default_factory=list)  # load times since the last snapshot
+    lora_loads: int = 0  # adapters read from disk since start
+    lora_recent_load_seconds: list[float] = field(default_factory=list)  # the last loads' times, oldest first

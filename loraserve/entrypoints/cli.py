@@ -2,25 +2,23 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import runpy
 import sys
 import time
+from pathlib import Path
 
-from loraserve.entrypoints.serve_cli import parse_lora_module
+from loraserve.entrypoints.engine_flags import add_engine_flags, engine_args
+from loraserve.entrypoints.llm import LLM
+from loraserve.entrypoints.serve_cli import add_serve_arguments, parse_lora_module, run_server
+from loraserve.lora.request import LoRARequest
+from loraserve.sampling_params import SamplingParams
 
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompts", nargs="*", help="prompts (default: read --prompts-file, or one example prompt)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
-    p.add_argument("--model", default=None,
-                   help="HF model folder, .gguf file or synthetic:NAME (default: SmolLM2-135M-Instruct, built in)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: auto)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="schedule and launch the next step before reading the current one's tokens")
-    p.add_argument("--seed", type=int, default=0, help="engine seed")
+    add_engine_flags(p)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -31,14 +29,9 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--lora", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH", help="adapters to register")
     p.add_argument("--use-lora", default=None, metavar="NAME", help="generate with this registered adapter")
-    p.add_argument("--max-loras", type=int, default=4)
-    p.add_argument("--max-lora-rank", type=int, default=64)
-    p.add_argument("--max-cpu-loras", type=int, default=16)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from loraserve import LLM, LoRARequest, SamplingParams
-
     prompts = list(args.prompts)
     if args.prompts_file:
         with open(args.prompts_file) as f:
@@ -49,13 +42,7 @@ def run_generate(args: argparse.Namespace) -> int:
         raise SystemExit(f"--use-lora {args.use_lora!r} is not one of the adapters given with --lora")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    lora_options = {}
-    if args.lora:
-        lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-                            max_cpu_loras=args.max_cpu_loras)
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
-              async_scheduling=args.async_scheduling, **lora_options)
+    llm = LLM(**dataclasses.asdict(engine_args(args, enable_lora=bool(args.lora))))
     for name, path in args.lora:
         llm.add_lora(LoRARequest(name, path))
     lora = LoRARequest(args.use_lora) if args.use_lora else None
@@ -77,8 +64,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_arguments(sub.add_parser("generate", help="generate text for prompts (offline)"))
-    from loraserve.entrypoints.serve_cli import add_serve_arguments
-
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench.add_argument("which", choices=["decode", "throughput", "lora", "lora-kernels"])
@@ -87,9 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import runpy
-    from pathlib import Path
-
     script = {"decode": "decode.py", "throughput": "throughput.py", "lora": "lora_decode.py",
               "lora-kernels": "lora_kernels.py"}[args.which]
     path = Path(__file__).resolve().parents[2] / "benchmarks" / script
@@ -109,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
     if args.command == "serve":
-        from loraserve.entrypoints.serve_cli import run_server
-
         run_server(args)
         return 0
     return run_bench(args)

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import itertools
+import time
 
+from tqdm import tqdm
+
+from loraserve.config import EngineArgs
 from loraserve.engine.engine import LLMEngine
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
@@ -12,14 +16,15 @@ from loraserve.sampling_params import SamplingParams
 class LLM:
     """A model ready to generate; `model=None` loads the built-in default (SmolLM2-135M-Instruct).
 
-    Extra keyword options go to LLMEngine (enable_lora, max_loras, max_lora_rank,
-    max_cpu_loras, block_size, max_num_batched_tokens, gpu_memory_utilization, ...).
+    Extra keyword options are the other fields of loraserve.config.EngineArgs (enable_lora, max_loras,
+    max_lora_rank, max_cpu_loras, block_size, max_num_batched_tokens, gpu_memory_utilization, ...).
     """
 
     def __init__(self, model: str | None = None, *, device=None, dtype=None, max_model_len: int | None = None,
                  max_num_seqs: int = 256, enforce_eager: bool = False, seed: int = 0, **engine_options):
-        self.engine = LLMEngine(model, device=device, dtype=dtype, max_model_len=max_model_len,
-                                max_num_seqs=max_num_seqs, enforce_eager=enforce_eager, seed=seed, **engine_options)
+        self.engine = LLMEngine.from_args(EngineArgs(
+            model=model, device=device, dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager, seed=seed, **engine_options))
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -27,11 +32,12 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
 
         A prompt is a string or {"prompt_token_ids": [...]}; sampling_params and
         lora_request may be one for all prompts or a list with one per prompt.
+        use_tqdm: show a progress bar of finished prompts and token rates (on stderr).
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -53,7 +59,7 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -61,7 +67,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": _as_ids(tokenizer.apply_chat_template(
             conv, add_generation_prompt=add_generation_prompt, tokenize=True))} for conv in conversations]
-        return self.generate(prompts, sampling_params, lora_request)
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm=use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:
         self.engine.add_lora(lora_request, pinned)
@@ -75,11 +81,20 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         pending = set(ids)
-        while pending:
-            for out in self.engine.step():
-                if out.finished and out.request_id in pending:
-                    final[out.request_id] = out
-                    pending.discard(out.request_id)
+        start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
+        with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True,
+                  disable=not use_tqdm) as bar:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        prompt_tokens += len(out.prompt_token_ids)
+                        output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
+                                            f"output: {output_tokens / elapsed:.1f} toks/s", refresh=False)
+                        bar.update(1)
         return [final[i] for i in ids]
 
 

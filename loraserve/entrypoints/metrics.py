@@ -71,6 +71,7 @@ class ServerMetrics:
                               buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("loraserve_inter_token_latency_seconds", "Time between consecutive tokens.",
                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._loads_seen = 0  # adapter loads already in the histogram
         self._state = _EngineStateCollector()
         self.registry.register(self._state)
 
@@ -79,8 +80,11 @@ class ServerMetrics:
         self._requests.labels(adapter=adapter, outcome=outcome).inc()
 
     def update(self, stats: EngineStats) -> None:
-        for seconds in stats.lora_load_seconds:
+        """Take a new snapshot; adapter loads since the last one go into the load-time histogram."""
+        new = stats.lora_loads - self._loads_seen
+        for seconds in stats.lora_recent_load_seconds[max(0, len(stats.lora_recent_load_seconds) - new):]:
             self._lora_load.observe(seconds)
+        self._loads_seen = stats.lora_loads
         self._state.stats = stats
 
     def render(self) -> tuple[bytes, str]:

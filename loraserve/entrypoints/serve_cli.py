@@ -10,6 +10,9 @@ import logging
 import os
 import signal
 
+from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.engine.engine import LLMEngine
+from loraserve.entrypoints.engine_flags import add_engine_flags, engine_args
 from loraserve.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -24,7 +27,7 @@ def parse_lora_module(text: str) -> tuple[str, str]:
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the flags of `loraserve serve` (named as in vLLM where vLLM has them)."""
-    parser.add_argument("--model", default=None, help="model folder or GGUF file (default: SmolLM2-135M-Instruct)")
+    add_engine_flags(parser)
     parser.add_argument("--served-model-name", nargs="+", default=None,
                         help="names the base model answers to; the first is listed "
                              "(default: the model's name and the --model value)")
@@ -32,23 +35,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=os.environ.get("LORASERVE_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LORASERVE_API_KEY)")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests that may wait for their first token before new ones get 503")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                        help="schedule and launch the next step before reading the current one's tokens")
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve adapters (implied by --lora-modules and --enable-runtime-lora-updates)")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
                         help="adapters to register at start")
-    parser.add_argument("--max-loras", type=int, default=4, help="adapters in GPU slots at once")
-    parser.add_argument("--max-lora-rank", type=int, default=64)
-    parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters cached in CPU memory")
     parser.add_argument("--enable-runtime-lora-updates", action="store_true",
                         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     parser.add_argument("--lora-root", action="append", default=[], metavar="DIR",
@@ -60,19 +52,13 @@ def run_server(args: argparse.Namespace) -> None:
     """Build the engine, register --lora-modules, serve until SIGTERM/SIGINT, then drain and stop."""
     import uvicorn
 
-    from loraserve.engine.async_engine import AsyncLLMEngine
-    from loraserve.engine.engine import LLMEngine
-    from loraserve.entrypoints.server import ServerSettings, build_app
+    from loraserve.entrypoints.server import ServerSettings, build_app  # needs fastapi, which `generate` does not
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.enable_runtime_lora_updates and not args.lora_root:
         raise SystemExit("--enable-runtime-lora-updates needs --lora-root DIR")
-    engine = LLMEngine(
-        args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, enforce_eager=args.enforce_eager, seed=args.seed,
-        async_scheduling=args.async_scheduling,
-        enable_lora=bool(args.enable_lora or args.lora_modules or args.enable_runtime_lora_updates),
-        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
+    enable_lora = bool(args.enable_lora or args.lora_modules or args.enable_runtime_lora_updates)
+    engine = LLMEngine.from_args(engine_args(args, enable_lora))
     modules = tuple((name, os.path.realpath(path)) for name, path in args.lora_modules)
     for name, path in modules:
         try:

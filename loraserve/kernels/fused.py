@@ -4,11 +4,9 @@
 - ``silu_and_mul``: ``silu(gate) * up`` on the packed gate/up output;
 - ``rotary_and_cache``: rotate-half rotary on q and k, plus the K/V cache write.
 
-Each takes an optional LoRA delta of its input, float32 or the model dtype:
-the LoRA product of the projection before it, computed on a side stream (see
-lora/layers.py). The input becomes ``round(input + delta)`` to the model
-dtype, exactly what adding the product into the projection's output in place
-gives.
+Each takes an optional ``delta`` of its input (float32 or the model dtype; the
+LoRA delta of the projection before it: models.linear.LinearOutput), added
+first: the input becomes ``round(input + delta)`` in the model dtype.
 
 Semantics match ``fused_reference`` (see each function for the rounding).
 Inputs may be strided views whose last dim is contiguous; outputs are new

@@ -57,9 +57,9 @@ def expand_config(num_tokens: int) -> ExpandConfig:
 
 @triton.jit
 def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                        stride_ip, stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
+                        stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
                         NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr, NUM_PARTS: tl.constexpr):
+                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr):
     """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
 
     The caller guarantees rank % RANK_ALIGN == 0. Writing the rank mask's bound
@@ -76,11 +76,8 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
                 r_ok = offs_r < (rank // RANK_ALIGN) * RANK_ALIGN
                 b = tl.load(b_cols + offs_r[:, None] * stride_br,
                             mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                a_ptrs = inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir
-                a_mask = tok_ok[:, None] & r_ok[None, :]
-                a = tl.load(a_ptrs, mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
-                for part in tl.static_range(1, NUM_PARTS):  # split-K partials, added in a fixed order
-                    a += tl.load(a_ptrs + part * stride_ip, mask=a_mask, other=0.0)
+                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
+                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
                 acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
     return acc
 
@@ -115,8 +112,8 @@ def _row_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras, num_tokens,
 def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
     num_tokens, n_out, rank_max, num_loras,
-    stride_ip, stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
-    SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, NUM_PARTS: tl.constexpr,
+    stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+    SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
     LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -155,12 +152,12 @@ def _expand_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if rank % 8 == 0:
             acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                      BLOCK_R, PRECISION, 8, NUM_PARTS)
+                                      stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                      BLOCK_R, PRECISION, 8)
         else:
             acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                                      stride_ip, stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                      BLOCK_R, PRECISION, 1, NUM_PARTS)
+                                      stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
+                                      BLOCK_R, PRECISION, 1)
         product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
         tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
 
@@ -187,9 +184,6 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     y has B's dtype, or float32. With overwrite, y is a separate LoRA delta that a later kernel adds to
     the base output. The product is rounded to y's dtype before it is added.
 
-    inter may also be [P, T, S*R]: the shrink's split-K partial sums, added here
-    (in a fixed order) as they are loaded.
-
     after_shrink: the kernel launched last on this stream is the lora_shrink that wrote inter. On
     Hopper the expand then launches early (programmatic dependent launch): it finds its tokens and
     loads y while the shrink finishes, and waits for it only before reading inter. Leave it False otherwise: the
@@ -214,10 +208,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
         raise ValueError(f"slice_offsets {offsets} must rise from 0 to N={n_out}")
     if b_rows != n_out:
         raise ValueError(f"lora_b has {b_rows} output rows but y has {n_out} columns")
-    parts = inter.unsqueeze(0) if inter.dim() == 2 else inter  # [P, T, S*R]: P split-K partials to add
-    if parts.dim() != 3 or parts.shape[1:] != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
-        raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] or "
-                         f"[P, {num_tokens}, {num_slices * rank_max}] float32, got {list(inter.shape)} {inter.dtype}")
+    if inter.shape != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
+        raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] float32, "
+                         f"got {list(inter.shape)} {inter.dtype}")
     if y.dtype not in (lora_b.dtype, torch.float32):
         raise ValueError(f"y is {y.dtype} but lora_b is {lora_b.dtype} (y may also be float32)")
     check_meta(meta, slot_rank, num_tokens, num_loras)
@@ -227,11 +220,11 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     grid = expand_grid(cfg, num_tokens, n_out, num_loras, overwrite)
     launch = functools.partial(_expand_launch.call_and_bind, variable=("num_tokens",)) if bind else _expand_launch
     return launch(grid,
-        parts, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
+        inter, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
         num_tokens, n_out, rank_max, num_loras,
-        parts.stride(0), parts.stride(1), parts.stride(2),
+        inter.stride(0), inter.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
-        SLICE_OFFSETS=offsets, NUM_SLICES=num_slices, NUM_PARTS=parts.shape[0],
+        SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
         LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite,

@@ -1,4 +1,4 @@
-"""LoRA delta of a packed linear layer: y += expand(shrink(x)), per token's adapter slot.
+"""LoRA product of a packed linear layer: y += expand(shrink(x)), per token's adapter slot.
 
 `lora_apply` runs the Triton kernels on CUDA tensors (and on CPU tensors under
 TRITON_INTERPRET=1), otherwise the torch reference. The kernel shape is chosen
@@ -16,18 +16,13 @@ intermediate and the shrink's partials scratch (static shapes), so `lora_apply`
 can be captured in a CUDA graph; calls sharing one meta must be stream-ordered.
 """
 import os
-from dataclasses import dataclass
 
 import torch
 
-from loraserve.kernels.launch import BoundLaunch
-from loraserve.kernels.lora_expand import EXPAND_DECODE_MAX_TOKENS, ExpandConfig, expand_config, expand_grid, lora_expand
+from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import SHRINK_DECODE_MAX_TOKENS, ShrinkConfig, lora_shrink, shrink_config, shrink_grid
-
-__all__ = ["EXPAND_DECODE_MAX_TOKENS", "SHRINK_DECODE_MAX_TOKENS", "BoundLoRADelta", "LoRAScratch", "lora_apply",
-           "lora_apply_ref", "lora_delta"]
+from loraserve.kernels.lora_shrink import lora_shrink
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -35,25 +30,20 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
-               overwrite: bool = False) -> None:
+               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
     """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
 
-    y has the weights' dtype (or is float32); with overwrite it is a LoRA delta that a later kernel adds
-    to the base output. The product is rounded to y's dtype before it is added (PEFT's rounding).
-    overwrite: y = LoRA(x) instead: the expand writes every row of y (zeros where a token has no
-    adapter) without reading it, so no memset delays the shrink and expand.
+    y has the weights' dtype (or is float32). The product is rounded to y's dtype before it is added
+    (PEFT's rounding).
     """
     if not _use_triton(x):
-        if overwrite:
-            y.zero_()
         lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
         return
     num_slices = len(slice_offsets) - 1
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
     inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
-    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, overwrite=overwrite, after_shrink=True)
+    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, after_shrink=True)
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -64,100 +54,3 @@ def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_
         raise ValueError(f"slice_offsets {tuple(slice_offsets)} name no slice")
     inter = lora_shrink_ref(x, lora_a, slot_rank, meta.token_slots, num_slices)
     lora_expand_ref(inter, lora_b, slot_rank, meta.token_slots, slice_offsets, y)
-
-
-@dataclass
-class LoRAScratch:
-    """Static buffers for LoRA products written to a separate delta (lora_delta), for up to max_tokens tokens.
-
-    One scratch serves every LoRA layer of a model: the products run one after
-    another on one stream, and each delta is consumed before the next product
-    is launched. Views keep row strides that do not depend on T, so a bound
-    launch (BoundLoRADelta) serves every token count.
-    """
-
-    max_tokens: int
-    delta: torch.Tensor  # [Tmax * N max] model dtype
-    inter: torch.Tensor  # [Tmax * S*R max] float32: the shrink's output
-    partials: torch.Tensor  # [P max * Tmax * S*R max] float32: the shrink's split-K partial sums
-
-    @classmethod
-    def allocate(cls, max_tokens: int, max_out: int, max_sr: int, max_splits: int, dtype: torch.dtype,
-                 device) -> "LoRAScratch":
-        return cls(max_tokens, torch.empty(max_tokens * max_out, dtype=dtype, device=device),
-                   torch.empty(max_tokens * max_sr, dtype=torch.float32, device=device),
-                   torch.empty(max_splits * max_tokens * max_sr, dtype=torch.float32, device=device))
-
-    def delta_view(self, num_tokens: int, n_out: int) -> torch.Tensor:  # [T, N]
-        return self.delta[:num_tokens * n_out].view(num_tokens, n_out)
-
-    def inter_view(self, num_tokens: int, sr: int) -> torch.Tensor:  # [T, S*R]
-        return self.inter[:num_tokens * sr].view(num_tokens, sr)
-
-    def partials_view(self, splits: int, num_tokens: int, sr: int) -> torch.Tensor:  # [P, T, S*R]
-        return self.partials[:splits * self.max_tokens * sr].view(splits, self.max_tokens, sr)[:, :num_tokens]
-
-
-class BoundLoRADelta:
-    """lora_delta bound to one layer's weights, one LoRAMeta, one scratch and one kernel shape.
-
-    `bound(x)` launches the shrink and the expand for x: [T, in] with only x
-    checked (BoundLaunch) and returns the delta: the host cost of a LoRA layer in
-    a decode step, and in a CUDA graph capture, is two launches. `fits` says
-    whether it serves a call.
-    """
-
-    def __init__(self, shrink: BoundLaunch, expand: BoundLaunch, shrink_cfg: ShrinkConfig,
-                 expand_cfg: ExpandConfig, meta: LoRAMeta, scratch: LoRAScratch, sr: int, n_out: int,
-                 num_loras: int):
-        self.shrink, self.expand = shrink, expand
-        self.shrink_cfg, self.expand_cfg = shrink_cfg, expand_cfg
-        self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
-        self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
-        # T -> (shrink grid, expand grid, delta view [T, N]): made once per token count, several us each
-        self._steps: dict[int, tuple[tuple[int, int], tuple[int, int], torch.Tensor]] = {}
-
-    def serves(self, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
-        """Bound to these buffers (a call with the token count it was made or found for)."""
-        return meta is self.meta and scratch is self.scratch
-
-    def fits(self, x: torch.Tensor, meta: LoRAMeta, scratch: LoRAScratch) -> bool:
-        """Bound to these buffers and to the kernel shapes of x's token count."""
-        t = x.shape[0]
-        return (self.serves(meta, scratch) and 0 < t <= scratch.max_tokens
-                and shrink_config(t, x.shape[1], self.sr) == self.shrink_cfg and expand_config(t) == self.expand_cfg)
-
-    def __call__(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """Launch on `stream` (default: the current stream); returns the delta: [T, N], a view of the scratch."""
-        t = x.shape[0]
-        step = self._steps.get(t)
-        if step is None:
-            step = self._steps[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras),
-                                     expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True),
-                                     self.scratch.delta_view(t, self.n_out))
-        shrink_grid_t, expand_grid_t, delta = step
-        self.shrink(shrink_grid_t, x, t, x.stride(0), x.stride(1), stream=stream)
-        self.expand(expand_grid_t, t, stream=stream)
-        return delta
-
-
-def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]
-               ) -> tuple[torch.Tensor, BoundLoRADelta]:
-    """delta: [T, N] = LoRA(x: [T, in]) in scratch (zeros for tokens without an adapter), launched now
-    on the current stream (CUDA), and a BoundLoRADelta that launches the same for another x.
-
-    0 < T <= scratch.max_tokens. The delta is a view of the scratch: valid until the next call with it.
-    """
-    num_tokens, hidden = x.shape
-    num_loras, sr, _ = lora_a.shape
-    n_out = lora_b.shape[1]
-    if not 0 < num_tokens <= scratch.max_tokens:
-        raise ValueError(f"{num_tokens} tokens: the LoRA scratch holds 1..{scratch.max_tokens}")
-    shrink_cfg, expand_cfg = shrink_config(num_tokens, hidden, sr), expand_config(num_tokens)
-    delta, inter = scratch.delta_view(num_tokens, n_out), scratch.inter_view(num_tokens, sr)
-    partials = scratch.partials_view(shrink_cfg.split_k, num_tokens, sr)
-    shrink = lora_shrink(x, lora_a, slot_rank, meta, len(slice_offsets) - 1, inter, partials=partials, bind=True)
-    expand = lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, delta, overwrite=True, after_shrink=True,
-                         bind=True)
-    return delta, BoundLoRADelta(shrink, expand, shrink_cfg, expand_cfg, meta, scratch, sr, n_out, num_loras)

@@ -4,7 +4,7 @@ The oracle for the Triton kernels and the engine's CPU path. It loops over the
 slots present on the host (a host sync: never use it inside a CUDA graph) and
 computes in float32, counting only the first slot_rank[slot] ranks.
 
-Storage (see DESIGN.md section 3), for a packed layer of S slices:
+Storage (loraserve.lora.layers.LoRALinear), for a packed layer of S slices:
   lora_a: [L, S*R, in]   rows s*R .. s*R+R-1 are slice s's A
   lora_b: [L, N, R]      rows slice_offsets[s] .. slice_offsets[s+1]-1 are slice s's B
   slot_rank: [L] int32   rank of the adapter in each slot, 0 = empty

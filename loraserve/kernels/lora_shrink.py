@@ -18,10 +18,8 @@ tile's counter (LoRAMeta.tile_counters, acquire-release atomic); the last one
 loads the other partials, sums all of them in split order (so the result is
 bit-identical whichever program comes last, which the start-up graph-vs-eager
 check relies on), writes the tile and puts the counter back to 0 for the next
-launch (so the kernel replays in a CUDA graph any number of times). Given a
-[P, T, S*R] output instead, the partials are left there for lora_expand to
-add. The choice depends on T alone, so one CUDA graph bucket always runs the
-same kernel.
+launch (so the kernel replays in a CUDA graph any number of times). The choice
+depends on T alone, so one CUDA graph bucket always runs the same kernel.
 """
 import functools
 from dataclasses import dataclass
@@ -155,8 +153,6 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
 
     A split-K shrink sums its partials in the same launch (meta.tile_counters).
-    With out: [P, T, S*R] (P = shrink_splits(...)) the split-K partial sums are
-    instead left in their slices for lora_expand to add up.
 
     Defined on return: out[t, s*R + r] for every token t with a slot and
     r < slot_rank[slot] (what lora_expand reads). Other elements are
@@ -165,8 +161,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     must be stream-ordered (never concurrent). `config` overrides the static
     kernel shape (tests, tuning).
 
-    partials: [P, T, S*R] float32 scratch for the split-K partial sums of a 2-D
-    out (allocated here when None; any row stride).
+    partials: [P, T, S*R] float32 scratch for the split-K partial sums (P =
+    shrink_splits(...); allocated here when None; any row stride).
     bind: return a BoundLaunch that repeats this launch for another x
     (`bound(shrink_grid(cfg, T, S*R, L), x, T, x.stride(0), x.stride(1))`) with
     every other buffer the same: out and partials must then have row strides that
@@ -181,18 +177,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     if x.dtype != lora_a.dtype:
         raise ValueError(f"x is {x.dtype} but lora_a is {lora_a.dtype}")
     cfg = config or shrink_config(num_tokens, hidden, sr)
-    if out.dtype != torch.float32 or out.shape not in ((num_tokens, sr), (cfg.split_k, num_tokens, sr)):
-        raise ValueError(f"out must be [{num_tokens}, {sr}] or [{cfg.split_k}, {num_tokens}, {sr}] float32, "
-                         f"got {list(out.shape)} {out.dtype}")
+    if out.dtype != torch.float32 or out.shape != (num_tokens, sr):
+        raise ValueError(f"out must be [{num_tokens}, {sr}] float32, got {list(out.shape)} {out.dtype}")
     check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
     grid = shrink_grid(cfg, num_tokens, sr, num_loras)
-    reduce = out.dim() == 2 and cfg.split_k > 1
+    reduce = cfg.split_k > 1
     # partial: [split_k, T, S*R]; each split writes its own slice (the last one of a tile sums them into out)
-    if out.dim() == 3:
-        partial = out
-    elif not reduce:
+    if not reduce:
         partial = out.unsqueeze(0)
     else:
         check_counters(meta.tile_counters, grid[1], grid[0] // cfg.split_k)
@@ -209,7 +202,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
         meta.tile_counters,
         num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        partial.stride(0), partial.stride(1), partial.stride(2), out.stride(-2), out.stride(-1),
+        partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
         meta.tile_counters.stride(0),
         LORAS_P2=loras_p2(num_loras), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, PRECISION=dot_precision(x.dtype),

@@ -24,8 +24,9 @@ from loraserve.lora.peft_config import (
     PeftLoRAConfig,
     read_peft_lora_config,
 )
+from loraserve.models.lora_spec import LoRAModelSpec
 
-__all__ = ["LoRAAdapter", "LoRAAdapterError", "LoRAModelSpec", "load_lora_adapter"]
+__all__ = ["LoRAAdapter", "LoRAAdapterError", "load_lora_adapter"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,15 +38,6 @@ _LORA_WEIGHT = re.compile(r"(?P<module>.+)\.lora_(?P<part>[AB])(?:\.[^.]+)?\.wei
 _LORA_BIAS = re.compile(r"(?P<module>.+)\.lora_B(?:\.[^.]+)?\.bias")
 # A decoder-layer module: `...layers.<i>.<any path>.<short name>`.
 _LAYER_MODULE = re.compile(r"(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<short>[^.]+)")
-
-
-@dataclass(frozen=True)
-class LoRAModelSpec:
-    """What the served model offers to LoRA: per target module name its (in_features, out_features)."""
-
-    num_layers: int
-    modules: dict[str, tuple[int, int]]  # short name -> (in_features, out_features), e.g. "q_proj": (D, H*hd)
-    model_name: str | None = None  # for the base_model_name_or_path warning
 
 
 @dataclass

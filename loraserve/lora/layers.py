@@ -1,53 +1,38 @@
-"""LoRA-aware linear layers: a wrapper around a base (packed) linear with static slot storage.
+"""LoRA-aware linear layer: a wrapper around a base (packed) linear with static slot storage.
 
-Storage (DESIGN.md section 3), allocated once, addresses never change:
+Storage, allocated once, addresses never change (so CUDA graphs read whatever the slots hold at replay):
   lora_a:    [L, S*R, in]  rows s*R .. s*R+R-1 are slice s's A for a slot
   lora_b:    [L, N, R]     rows slice_offsets[s] .. slice_offsets[s+1]-1 are slice s's B (scaling folded in)
   slot_rank: [L] int32     the rank in each slot (0 = empty)
-with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1).
+with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1). Only the LoRA
+runtime (lora/runtime.py) writes them.
 
-Forward: with a LoRA side stream in the forward context (ctx.lora_side) and at
-most its scratch's max_tokens tokens (decode steps and their CUDA graphs), the
-LoRA product runs on the side stream into a delta (model dtype, a view of the
-side stream's static scratch) while the base GEMM runs on the forward's stream;
-the two join before the next op, which adds the delta to its input (fused into
-the norm, SiLU and rotary kernels). The q/k/v layer issues its GEMM first, the
-others their LoRA kernels first (GEMM_FIRST_LAYERS). The LoRA kernels thus
-leave the critical path of a decode step. Their launches are bound once per
-kernel shape (kernels/lora_ops.BoundLoRADelta) and issued straight to the side
-stream, so each later step, and each graph capture, costs two plain launches.
-Larger (prefill) steps add the product into the base output in place, in order:
-a [T, N] delta would cost too much memory there. Both give the same numbers:
-round(y + round(product)), the product rounded to the model dtype first, as
-PEFT's separate LoRA output is.
+Forward, with the pass's LoRA state in ctx.lora (a LoRABatch; None: the base
+layer alone): with a side stream and at most its scratch's max_tokens tokens
+(decode steps and their CUDA graphs), the LoRA product runs on the side stream
+into a delta that the next op adds (models.linear.LinearOutput) while the base
+GEMM runs on the forward's stream; the two join before the next op. The q/k/v
+layer issues its GEMM first, the others their LoRA kernels first
+(GEMM_FIRST_LAYERS). Larger (prefill) steps, and the CPU, add the product into
+the base output in place, in order. Both give the same numbers.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from loraserve.kernels.lora_ops import BoundLoRADelta, LoRAScratch, lora_apply, lora_apply_ref, lora_delta
-from loraserve.kernels.lora_shrink import shrink_splits
-from loraserve.models.linear import LinearBase
-from loraserve.worker.forward_context import ForwardContext, LoRASideStream
-
-# Steps of up to this many tokens compute the LoRA product beside the base GEMM (on the side stream).
-LORA_DELTA_MAX_TOKENS = 512
+from loraserve.forward_context import ForwardContext
+from loraserve.kernels.lora_meta import LoRAMeta
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.lora.side_stream import BoundLoRADelta, LoRAScratch, LoRASideStream, lora_delta
+from loraserve.models.linear import LinearBase, LinearOutput
 
 # Packed layers whose base GEMM is issued before the side-stream LoRA kernels (the others: after them).
-# The order of issue decides which branch a CUDA graph starts first. Measured on an H200 (docs/benchmarks.md,
-# sixth session), synthetic Llama-3-8B, 8 adapters at B=32: issued first, the q/k/v GEMM starts at once and
-# its LoRA kernels still end beside it; the o, gate/up and down GEMMs, issued first, hold their LoRA kernels
-# back past their own end (issued second, they start 1-4 us late).
+# The order of issue decides which branch a CUDA graph starts first. Measured on an H200 with synthetic
+# Llama-3-8B, 8 adapters at batch 32 (docs/experiments.md): issued first, the q/k/v GEMM starts at once
+# and its LoRA kernels still end beside it; the o, gate/up and down GEMMs, issued first, hold their LoRA
+# kernels back past their own end (issued second, they start 1-4 us late).
 GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
-
-# packed module name in the model -> checkpoint module names of its slices
-LORA_TARGETS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "o_proj": ("o_proj",),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "down_proj": ("down_proj",),
-}
 
 
 class LoRALinear(nn.Module):
@@ -83,36 +68,40 @@ class LoRALinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # x: [T, in] -> (y: [T, N], LoRA delta of y: [T, N] in y's dtype, or None when y already holds it)
-        meta = ctx.lora if ctx is not None else None
-        if meta is None:
-            return self.base(x)
-        side = ctx.lora_side
-        if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
-            y, _ = self.base(x)
-            apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
-            apply(x, y, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets)
-            return y, None
-        return self._forward_beside(x, meta, side)
+    @property
+    def lora_rows(self) -> int:
+        """S*R: the rows of A per slot (the shrink's output width)."""
+        return self.lora_a.shape[1]
 
-    def _forward_beside(self, x: torch.Tensor, meta, side: LoRASideStream) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, in] -> (y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> LinearOutput:
+        # x: [T, in] -> y: [T, N] and, beside the GEMM, its LoRA delta [T, N]
+        lora = ctx.lora if ctx is not None else None
+        if lora is None:
+            return self.base(x)
+        side = lora.side
+        if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
+            y = self.base(x).y
+            apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
+            apply(x, y, self.lora_a, self.lora_b, self.slot_rank, lora.meta, self.slice_offsets)
+            return LinearOutput(y, None)
+        return self._forward_beside(x, lora.meta, side)
+
+    def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> LinearOutput:
+        # x: [T, in] -> y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         self._fork.record(side.main)  # x, the metadata and the slot weights are ready
         if self.gemm_first:
-            y, _ = self.base(x)
+            y = self.base(x).y
             delta = self._launch_on_side(x, meta, side)
         else:
             delta = self._launch_on_side(x, meta, side)
-            y, _ = self.base(x)
+            y = self.base(x).y
         self._join.record(side.stream)
         side.main.wait_event(self._join)
-        return y, delta
+        return LinearOutput(y, delta)
 
-    def _launch_on_side(self, x: torch.Tensor, meta, side: LoRASideStream) -> torch.Tensor:
+    def _launch_on_side(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> torch.Tensor:
         """The LoRA product of x on the side stream, after the fork; returns the delta."""
         side.stream.wait_event(self._fork)
         bound = self._bound.get(x.shape[0])
@@ -124,7 +113,7 @@ class LoRALinear(nn.Module):
         finally:
             torch.cuda.set_stream(side.main)
 
-    def _launch_and_bind(self, x: torch.Tensor, meta, scratch: LoRAScratch) -> torch.Tensor:
+    def _launch_and_bind(self, x: torch.Tensor, meta: LoRAMeta, scratch: LoRAScratch) -> torch.Tensor:
         """Launch the LoRA product of x into the scratch's delta (on the current stream) through a bound
         launch of its kernel shape, made here if none fits, and keep it for x's token count; returns the delta."""
         bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
@@ -154,30 +143,3 @@ class LoRALinear(nn.Module):
 
     def clear_slot(self, slot: int) -> None:
         self.slot_rank[slot] = 0
-
-
-def wrap_lora_layers(model: nn.Module, max_loras: int, max_rank: int) -> list[tuple[int, LoRALinear]]:
-    """Replace each decoder layer's q/k/v, o, gate/up and down linears by LoRA wrappers.
-
-    Returns (layer index, wrapper) pairs in model order.
-    """
-    wrapped: list[tuple[int, LoRALinear]] = []
-    for layer_idx, layer in enumerate(model.model.layers):
-        for parent in (layer.self_attn, layer.mlp):
-            for attr, slices in LORA_TARGETS.items():
-                base = getattr(parent, attr, None)
-                if isinstance(base, LinearBase):
-                    wrapper = LoRALinear(base, slices, max_loras, max_rank, gemm_first=attr in GEMM_FIRST_LAYERS)
-                    setattr(parent, attr, wrapper)
-                    wrapped.append((layer_idx, wrapper))
-    return wrapped
-
-
-def allocate_lora_scratch(layers: list[LoRALinear], max_tokens: int) -> LoRAScratch:
-    """Static scratch for the side-stream LoRA products of these layers, steps of up to max_tokens tokens."""
-    first = layers[0]
-    splits = max(shrink_splits(t, layer.in_features, layer.lora_a.shape[1])
-                 for layer in layers for t in (1, max_tokens))
-    return LoRAScratch.allocate(max_tokens, max(layer.out_features for layer in layers),
-                                max(layer.lora_a.shape[1] for layer in layers), splits, first.lora_b.dtype,
-                                first.lora_b.device)

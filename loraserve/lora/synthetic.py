@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from loraserve.lora.adapter import LoRAAdapter, LoRAModelSpec
+from loraserve.lora.adapter import LoRAAdapter
+from loraserve.models.lora_spec import LoRAModelSpec
 
 ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from loraserve.forward_context import AttentionMetadata
+from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention
 from loraserve.kernels.attention_reference import paged_attention_ref
 from loraserve.models.layers import RotaryEmbedding
 from loraserve.models.ops import rotary_and_cache
-from loraserve.worker.forward_context import AttentionMetadata
 
 
 class PagedAttention(nn.Module):
@@ -35,8 +36,6 @@ class PagedAttention(nn.Module):
         q = rotary_and_cache(q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache,
                              meta.slot_mapping, qkv_delta)
         if q.is_cuda:
-            from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention
-
             out = torch.empty_like(q)
             if meta.is_decode:
                 paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,

@@ -14,7 +14,7 @@ class RMSNorm(nn.Module):
     """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back as HF does.
 
     With a residual, the residual add is fused in: returns (norm(x + residual), x + residual).
-    A LoRA delta of x (x_delta, float32 or x's dtype) is added to x first.
+    x_delta (a LinearOutput's delta, float32 or x's dtype) is added to x first.
     """
 
     def __init__(self, hidden_size: int, eps: float):

@@ -1,20 +1,39 @@
 """Linear layers written as column/row parallel with a tensor-parallel size of 1.
 
-Each layer has a `weight_loader(param, loaded, shard_id)` that copies
-one checkpoint tensor into its place: a packed layer (q/k/v, gate/up) holds
-several checkpoint tensors as consecutive output ranges. With tp_size > 1 each
-rank would keep its own slice of the output (column) or input (row) dimension;
-the loaders already take that slice, so sharding is a small step later.
+Each layer has a `weight_loader(param, loaded, shard)` that copies one
+checkpoint tensor into its place: a packed layer (q/k/v, gate/up) holds several
+checkpoint tensors as consecutive output ranges (slices), `shard` being the
+slice's index. With tp_size > 1 each rank would keep its own slice of the
+output (column) or input (row) dimension; the loaders already take that slice,
+so sharding is a small step later.
 
-`forward(x, ctx=None)` returns (output, LoRA delta of the output or None):
-base layers ignore the forward context and return no delta; the LoRA wrapper
-(loraserve.lora.layers.LoRALinear) uses the context's LoRA metadata.
+`forward(x, ctx=None)` returns a LinearOutput: base layers ignore the forward
+context and return no delta; the LoRA wrapper (loraserve.lora.layers.LoRALinear)
+uses the context's LoRA state.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+class LinearOutput(NamedTuple):
+    """A linear layer's output `y`, and `delta`: a LoRA product of the same rows not yet added to y.
+
+    A LoRA layer in a decode-sized CUDA step computes its product on a side
+    stream while the base GEMM runs (loraserve.lora.layers). Rather than a
+    kernel of its own to add it, the op that consumes y adds the delta to its
+    input first (RMSNorm with its residual add, SiLU*mul, rotary + KV-cache
+    write: models/ops.py), rounded to y's dtype, so the result is
+    round(y + round(delta)): what adding it in place gives, and what PEFT's
+    separately computed LoRA output gives. None: y is complete.
+    """
+
+    y: torch.Tensor  # [T, N]
+    delta: torch.Tensor | None  # [T, N] in y's dtype (or float32), or None
 
 
 class LinearBase(nn.Module):
@@ -30,12 +49,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
         raise NotImplementedError
 
-    def forward(self, x: torch.Tensor, ctx=None) -> tuple[torch.Tensor, None]:
-        # x: [T, in] -> ([T, out], no delta)
-        return F.linear(x, self.weight, self.bias), None
+    def forward(self, x: torch.Tensor, ctx=None) -> LinearOutput:
+        # x: [T, in] -> y: [T, out], no delta
+        return LinearOutput(F.linear(x, self.weight, self.bias), None)
 
 
 def _check_shape(param_part: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -51,7 +70,7 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"out_features {out_features} not divisible by tp_size {tp_size}")
         super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def weight_loader(self, param, loaded, shard=None):
         size = param.shape[0]
         part = loaded.narrow(0, self.tp_rank * size, size)
         _check_shape(param.data, part, "column-parallel weight")
@@ -63,26 +82,25 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
 
     `output_sizes` are the full (unsharded) sizes of each slice; `slice_offsets`
     are the column ranges on this rank, used by LoRA to place each slice's delta.
+    Which checkpoint module each slice holds is the model's `packed_modules` table.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], shard_names: list[str], bias: bool = False,
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
                  tp_rank: int = 0, tp_size: int = 1):
         self.output_sizes = [s // tp_size for s in output_sizes]
-        self.shard_names = list(shard_names)
         super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
         offsets = [0]
         for size in self.output_sizes:
             offsets.append(offsets[-1] + size)
         self.slice_offsets: tuple[int, ...] = tuple(offsets)
 
-    def weight_loader(self, param, loaded, shard_id=None):
-        if shard_id not in self.shard_names:
-            raise ValueError(f"unknown shard {shard_id!r}; expected one of {self.shard_names}")
-        idx = self.shard_names.index(shard_id)
-        start, size = self.slice_offsets[idx], self.output_sizes[idx]
+    def weight_loader(self, param, loaded, shard=None):
+        if shard is None or not 0 <= shard < len(self.output_sizes):
+            raise ValueError(f"unknown slice {shard!r} of a layer packing {len(self.output_sizes)}")
+        start, size = self.slice_offsets[shard], self.output_sizes[shard]
         part = loaded.narrow(0, self.tp_rank * size, size)
         dest = param.data.narrow(0, start, size)
-        _check_shape(dest, part, f"packed weight slice {shard_id}")
+        _check_shape(dest, part, f"packed weight slice {shard}")
         dest.copy_(part)
 
 
@@ -93,7 +111,7 @@ class QKVParallelLinear(PackedColumnParallelLinear):
                  tp_rank: int = 0, tp_size: int = 1):
         self.head_dim = head_dim
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         ["q", "k", "v"], bias, tp_rank, tp_size)
+                         bias, tp_rank, tp_size)
 
 
 class RowParallelLinear(LinearBase):
@@ -104,7 +122,7 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
         super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
 
-    def weight_loader(self, param, loaded, shard_id=None):
+    def weight_loader(self, param, loaded, shard=None):
         if param.dim() == 2:
             size = param.shape[1]
             loaded = loaded.narrow(1, self.tp_rank * size, size)

@@ -2,24 +2,19 @@
 
 Parameter names follow the HF checkpoints except for the packed layers:
 `self_attn.qkv_proj` holds q/k/v and `mlp.gate_up_proj` holds gate/up
-(`PACKED_MODULES` says which checkpoint names go where).
+(`LlamaForCausalLM.packed_modules` says which checkpoint names go where).
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from loraserve.forward_context import ForwardContext
 from loraserve.models.attention import PagedAttention
 from loraserve.models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
-from loraserve.models.linear import PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from loraserve.models.linear import LinearOutput, PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from loraserve.models.lora_spec import LoRAModelSpec, LoRATarget, spec_of_targets
 from loraserve.models.ops import silu_and_mul
-from loraserve.worker.forward_context import ForwardContext
-
-# checkpoint module name -> (packed module name, shard id)
-PACKED_MODULES = {
-    "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
-}
 
 
 class LlamaAttention(nn.Module):
@@ -37,9 +32,8 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        # x: [T, D]
-        # returns (o_proj output [T, D], its LoRA delta [T, D] or None)
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> LinearOutput:
+        # x: [T, D] -> o_proj's output [T, D] (and its LoRA delta)
         qkv, qkv_delta = self.qkv_proj(x, ctx)  # [T, q + 2 kv] each
         q, k, v = self.split_heads(qkv)
         deltas = None if qkv_delta is None else self.split_heads(qkv_delta)
@@ -56,15 +50,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        self.gate_up_proj = PackedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, ["gate", "up"], bias=False)
+        self.gate_up_proj = PackedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"unsupported hidden_act {act!r} (only silu)")
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # x: [T, D] -> (down_proj output [T, D], its LoRA delta or None)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> LinearOutput:
+        # x: [T, D] -> down_proj's output [T, D] (and its LoRA delta)
         gate_up, gate_up_delta = self.gate_up_proj(x, ctx)  # [T, 2I] each
         return self.down_proj(silu_and_mul(gate_up, gate_up_delta), ctx)
 
@@ -78,9 +71,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions, x, x_delta, residual, ctx):
-        # x: [T, D] the previous layer's output, x_delta: its LoRA delta or None, residual: [T, D]
-        # the stream before it (None at layer 0); the residual adds (and LoRA deltas) are fused into the
-        # norms: exactly HF's `residual + x` rounded to the dtype. Returns (x, x_delta, residual) for the next.
+        # x: [T, D] the previous layer's output, x_delta: its LoRA delta (LinearOutput) or None, residual:
+        # [T, D] the stream before it (None at layer 0); the residual adds (and LoRA deltas) are fused into
+        # the norms: exactly HF's `residual + x` rounded to the dtype. Returns (x, x_delta, residual) for the next.
         if residual is None:
             h, residual = self.input_layernorm(x)[0], x
         else:
@@ -108,6 +101,8 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns hidden states; `compute_logits` the fp32 logits of chosen rows."""
 
     qkv_bias = False
+    # packed module -> the checkpoint modules of its output slices, in order (the loader and LoRA read this)
+    packed_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def __init__(self, config):
         super().__init__()
@@ -127,6 +122,16 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, V] fp32
+
+    def lora_targets(self) -> list[LoRATarget]:
+        """The linear layers LoRA may wrap, in model order."""
+        return [LoRATarget(i, parent, attr, self.packed_modules.get(attr, (attr,)))
+                for i, layer in enumerate(self.model.layers)
+                for parent, attr in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                                     (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj"))]
+
+    def lora_spec(self) -> LoRAModelSpec:
+        return spec_of_targets(self.lora_targets(), len(self.model.layers))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -1,5 +1,10 @@
 """Build a model on the meta device and fill it tensor by tensor from HF safetensors, a GGUF file,
-or random weights (synthetic benchmarks models)."""
+or random weights (synthetic benchmarks models).
+
+Two steps: `open_model` finds the model and reads its config (cheap: what the
+engine's config needs, e.g. the model's length limits), `ModelSource.load`
+builds the model on the device and reads the weights and the tokenizer.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -10,12 +15,15 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from loraserve.errors import ModelLoadError
-from loraserve.models.llama import PACKED_MODULES
+from loraserve.models import gguf_loader
+from loraserve.models.llama import attention_window
 from loraserve.models.registry import model_class_for
+from loraserve.models.synthetic import synthetic_config
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +64,9 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
     """Copy checkpoint tensors into the model's (packed) parameters; error on missing/unknown/mis-shaped."""
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model, "tie_word_embeddings", False)
+    # checkpoint module -> (packed module, slice index), from the model's packed_modules table
+    packed_slices = {name: (packed, i) for packed, names in model.packed_modules.items()
+                     for i, name in enumerate(names)}
     loaded: set[str] = set()
     for name, tensor in tqdm(weights, total=total, desc="Loading weights", unit="tensor", leave=False,
                              disable=None):  # None: shown on a terminal only
@@ -63,8 +74,8 @@ def load_weights(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], 
             continue
         target, shard = name, None
         parts = name.split(".")
-        if len(parts) >= 2 and parts[-2] in PACKED_MODULES:
-            packed, shard = PACKED_MODULES[parts[-2]]
+        if len(parts) >= 2 and parts[-2] in packed_slices:
+            packed, shard = packed_slices[parts[-2]]
             target = ".".join(parts[:-2] + [packed, parts[-1]])
         param = params.get(target)
         if param is None:
@@ -107,8 +118,6 @@ def _safetensors_files(path: str) -> list[str]:
 
 
 def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
     for file in files:
         try:
             with safe_open(file, framework="pt") as f:
@@ -135,31 +144,56 @@ def _eos_ids(hf_config, tokenizer, path: str | None) -> list[int]:
     return ids
 
 
-def load_model(model: str | None, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    """Resolve `model` (None = default GGUF, `synthetic:NAME`, a .gguf file or an HF folder) and load it."""
-    if model is not None and model.startswith("synthetic:"):
-        from loraserve.models.synthetic import synthetic_config
+@dataclass
+class ModelSource:
+    """A model found and its config read, weights not loaded yet."""
 
+    spec: str | None  # what the user gave: None (the default model), synthetic:NAME, a .gguf file, an HF folder
+    hf_config: Any
+    gguf_file: gguf_loader.GGUFModelFile | None = None  # the open GGUF file (its header read once)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(getattr(self.hf_config, "max_position_embeddings", 2048))
+
+    @property
+    def sliding_window(self) -> int | None:
+        return attention_window(self.hf_config)
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+        """Build the model on `device` in `dtype` and fill it; read the tokenizer."""
+        config, spec = self.hf_config, self.spec
+        net = build_empty_model(config, device, dtype)
+        if spec is not None and spec.startswith("synthetic:"):
+            randomize_weights(net, seed=0)
+            return LoadedModel(net, config, None, spec, [])
+        if self.gguf_file is not None:
+            load_weights(net, self.gguf_file.weights())
+            path = self.gguf_file.path
+            tokenizer = gguf_loader.load_gguf_tokenizer(path)
+            name = os.path.basename(path).split(".")[0] if spec is None else os.path.basename(path)[:-5]
+            return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, None))
+        load_weights(net, _iter_safetensors(_safetensors_files(spec)))
+        tokenizer = _load_tokenizer(spec)
+        return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(spec)),
+                           _eos_ids(config, tokenizer, spec))
+
+
+def open_model(model: str | None) -> ModelSource:
+    """Resolve `model` (None = default GGUF, `synthetic:NAME`, a .gguf file or an HF folder) and read its config;
+    ModelLoadError names what is wrong (path, files, architecture)."""
+    if model is not None and model.startswith("synthetic:"):
         try:
             config = synthetic_config(model.split(":", 1)[1])
         except ValueError as exc:
             raise ModelLoadError(str(exc)) from exc
-        net = build_empty_model(config, device, dtype)
-        randomize_weights(net, seed=0)
-        return LoadedModel(net, config, None, model, [])
+        return ModelSource(model, config)
     if model is None or model.endswith(".gguf"):
-        from loraserve.models import gguf_loader
-
         path = gguf_loader.default_model_path() if model is None else model
         if not os.path.isfile(path):
             raise ModelLoadError(f"model file {path!r} does not exist")
         gguf_file = gguf_loader.GGUFModelFile.open(path)
-        config = gguf_file.config()
-        net = build_empty_model(config, device, dtype)
-        load_weights(net, gguf_file.weights())
-        tokenizer = gguf_loader.load_gguf_tokenizer(path)
-        name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
-        return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, None))
+        return ModelSource(model, gguf_file.config(), gguf_file)
     if not os.path.isdir(model):
         raise ModelLoadError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file "
                              "or synthetic:NAME; no network downloads)")
@@ -172,12 +206,8 @@ def load_model(model: str | None, device: torch.device, dtype: torch.dtype) -> L
     except (ValueError, OSError, KeyError) as exc:
         raise ModelLoadError(f"can't read {model}/config.json: {exc}") from exc
     model_class_for(config)  # unsupported architecture: fail before touching weights
-    files = _safetensors_files(model)
-    net = build_empty_model(config, device, dtype)
-    load_weights(net, _iter_safetensors(files))
-    tokenizer = _load_tokenizer(model)
-    return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(model)),
-                       _eos_ids(config, tokenizer, model))
+    _safetensors_files(model)  # missing weight files: fail before the engine is built
+    return ModelSource(model, config)
 
 
 def _load_tokenizer(path: str):

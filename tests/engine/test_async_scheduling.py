@@ -6,10 +6,10 @@ max_model_len limits, preemption under a tiny KV cache, aborts, mixed prefill/de
 """
 import random
 
-import pytest
 
-from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
+from model_fixtures import make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.config import EngineArgs
 from loraserve.engine.engine import LLMEngine
 
 
@@ -92,7 +92,7 @@ def test_async_equals_sync_with_lora(tiny_model_factory, tmp_path):
 
 def test_abort_while_a_step_is_in_flight(tiny_model_factory):
     folder = tiny_model_factory("llama")
-    engine = LLMEngine(folder, device="cpu", max_model_len=128)
+    engine = LLMEngine.from_args(EngineArgs(folder, device="cpu", max_model_len=128))
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     for i, p in enumerate(_prompts(4, 1000, seed=8)):
         engine.add_request(f"r{i}", p, params)

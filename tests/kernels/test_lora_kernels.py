@@ -18,11 +18,14 @@ import numpy as np
 import pytest
 import torch
 
+from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
-from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMetaBuilder
-from loraserve.kernels.lora_ops import LoRAScratch, lora_apply, lora_apply_ref, lora_delta
+from loraserve.kernels.lora_meta import COUNTER_ROW_TILES
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+from loraserve.lora.metadata import LoRAMetaBuilder
+from loraserve.lora.side_stream import LoRAScratch, lora_delta
 
 POPULARITY = ("distinct", "uniform", "skewed", "identical")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -188,7 +191,7 @@ def naive_lora(x, a, b, ranks, slots, offsets):
 
 @pytest.mark.parametrize("kind,hidden", [(kind, 72) for kind in POPULARITY] + [("skewed", 600)])
 def test_lora_apply_and_reference(kind, hidden, monkeypatch):
-    """hidden 600 splits the shrink's K three ways: the expand adds the partials."""
+    """hidden 600 splits the shrink's K three ways (the shrink adds its partials in the launch)."""
     case = make_case(7, hidden, (40, 16, 16), 16, 4, 24, kind, 0.2, max_tokens=64)
     y0 = torch.randn(24, 72, generator=case["gen"]).to(DEVICE)
     args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
@@ -221,7 +224,9 @@ def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens):
     slot_rank[int(np.max(case["slots"]))] = 0  # an adapter that does not target this layer
     args = (case["a"], case["b"], slot_rank, case["meta"], case["offsets"])
     delta = torch.full((num_tokens, 72), float("nan"), device=DEVICE)
-    lora_apply(case["x"], delta, *args, overwrite=True)
+    inter = torch.empty(num_tokens, 3 * 16, device=DEVICE)
+    lora_shrink(case["x"], case["a"], slot_rank, case["meta"], 3, inter)
+    lora_expand(inter, case["b"], slot_rank, case["meta"], case["offsets"], delta, overwrite=True, after_shrink=True)
     want = torch.zeros(num_tokens, 72, device=DEVICE)
     lora_apply_ref(case["x"], want, *args)
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
@@ -239,18 +244,29 @@ def defined_mask(case, rank_max):
     return defined.view(t, s * rank_max).to(case["x"].device)
 
 
+def shrink_partials(x, a, slot_rank, meta, num_slices, cfg: ShrinkConfig) -> torch.Tensor:
+    """[P, T, S*R]: what each of a split-K shrink's P programs computes over its own K range, by the same
+    kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial."""
+    k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
+    one_split = ShrinkConfig(cfg.block_m, cfg.block_n, cfg.block_k, 1, cfg.num_warps, cfg.num_stages)
+    parts = torch.full((cfg.split_k, x.shape[0], a.shape[1]), float("nan"), device=x.device)
+    for p in range(cfg.split_k):
+        k = slice(p * k_per_split, min((p + 1) * k_per_split, x.shape[1]))
+        lora_shrink(x[:, k], a[:, :, k], slot_rank, meta, num_slices, parts[p], one_split)
+    return parts
+
+
 @pytest.mark.parametrize("num_tokens,hidden", [(24, 600), (70, 1030)])
 def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
     """The in-launch sum equals the [P, T, S*R] partials added in split order, bit for bit,
-    launch after launch (the counters go back to zero each time), and so does the expand."""
+    launch after launch (the counters go back to zero each time)."""
     case = make_case(11, hidden, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.2, max_tokens=80)
     sr = 3 * 16
     cfg = shrink_config(num_tokens, hidden, sr)
     assert cfg.split_k > 1  # decode (T=24) and prefill (T=70) shapes both split K here
     meta, counters = case["meta"], case["meta"].tile_counters
     args = (case["x"], case["a"], case["slot_rank"], meta, 3)
-    parts = torch.full((cfg.split_k, num_tokens, sr), float("nan"), device=DEVICE)
-    lora_shrink(*args, parts)
+    parts = shrink_partials(*args, cfg)
     defined = defined_mask(case, 16)
     expected = torch.zeros(num_tokens, sr, device=DEVICE)
     for p in parts:  # split 0, 1, ... in turn
@@ -266,13 +282,6 @@ def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
         assert torch.equal(out[defined], first[defined])
     ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], meta.token_slots, 3)
     check_shrink_result(case, first, ref, 16)
-
-    y0 = torch.randn(num_tokens, 72, generator=case["gen"]).to(DEVICE)
-    y_summed, y_parts = y0.clone(), y0.clone()
-    lora_expand(torch.where(defined, first, float("nan")), case["b"], case["slot_rank"], meta,
-                case["offsets"], y_summed)
-    lora_expand(parts, case["b"], case["slot_rank"], meta, case["offsets"], y_parts)
-    assert torch.equal(y_summed, y_parts)
 
 
 def test_lora_apply_reuses_the_counters_across_sizes():

@@ -13,10 +13,11 @@ import httpx
 import openai
 import pytest
 import torch
-from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401
+from model_fixtures import make_lora_adapters
 from server_harness import metric, read_metrics, serve, wait_until_idle
 
 from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.config import EngineArgs
 from loraserve.engine.engine import LLMEngine
 from loraserve.entrypoints.server import ServerSettings
 from loraserve.lora.request import LoRARequest
@@ -42,8 +43,9 @@ def paths(tiny_model_factory, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(paths):
-    llm = LLMEngine(paths["model"], device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
-                    max_cpu_loras=4, max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    llm = LLMEngine.from_args(EngineArgs(paths["model"], device="cpu", enable_lora=True, max_loras=2,
+                                         max_lora_rank=16, max_cpu_loras=4, max_num_seqs=8,
+                                         max_model_len=MAX_MODEL_LEN))
     for name in ("a0", "a1"):
         llm.add_lora(LoRARequest(name, paths[name]))
     async_engine = AsyncLLMEngine(llm, max_waiting_requests=4)

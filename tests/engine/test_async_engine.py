@@ -4,9 +4,9 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from model_fixtures import tiny_model_factory, tiny_tokenizer  # noqa: F401
 
 from loraserve.engine.async_engine import (AsyncLLMEngine, EngineClosedError, GenerationRequest, QueueFullError)
+from loraserve.config import EngineArgs
 from loraserve.engine.engine import LLMEngine
 from loraserve.errors import InvalidRequestError, PromptTooLongError
 from loraserve.sampling_params import SamplingParams
@@ -16,7 +16,7 @@ LONG = SamplingParams(max_tokens=100, ignore_eos=True)
 
 @pytest.fixture
 def llm(tiny_model_factory):
-    return LLMEngine(tiny_model_factory("llama"), device="cpu", max_num_seqs=4, max_model_len=128)
+    return LLMEngine.from_args(EngineArgs(tiny_model_factory("llama"), device="cpu", max_num_seqs=4, max_model_len=128))
 
 
 async def _idle_stats(engine: AsyncLLMEngine):
@@ -111,8 +111,8 @@ def test_adapter_files_are_read_off_the_engine_thread(tiny_model_factory, tmp_pa
 
     folder = tiny_model_factory("llama")
     path = make_lora_adapters(folder, tmp_path, [{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}])[0]
-    engine_core = LLMEngine(folder, device="cpu", max_num_seqs=4, max_model_len=128, enable_lora=True,
-                            max_lora_rank=8)
+    engine_core = LLMEngine.from_args(EngineArgs(folder, device="cpu", max_num_seqs=4, max_model_len=128,
+                                                 enable_lora=True, max_lora_rank=8))
     load_threads, load_started, release = [], threading.Event(), threading.Event()
     original = engine_core.load_lora_weights
 

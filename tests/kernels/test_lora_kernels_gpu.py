@@ -1,6 +1,6 @@
 """LoRA kernels on the GPU: fp32/bf16/fp16 correctness matrix and CUDA-graph capture/replay.
 
-Same oracle and poisoning as tests/test_lora_kernels.py (NaN beyond each rank
+Same oracle and poisoning as test_lora_kernels.py (NaN beyond each rank
 and in empty slots, NaN-poisoned shrink output, random expand output, the
 elements checked as there), at real sizes: hidden up to 8192 and non-multiples of the
 tiles, ranks 1..64 mixed, 1..16 slots, T from 1 to 4096. The split-K shrink's
@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from loraserve.kernels.lora_expand import lora_expand
-from loraserve.kernels.lora_meta import LoRAMetaBuilder
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
+from loraserve.lora.metadata import LoRAMetaBuilder
 from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
-                               defined_mask, make_case, make_weights, offsets_of, poisoned_inter)
+                               defined_mask, make_case, make_weights, offsets_of, poisoned_inter,
+                               shrink_partials)
 
 pytestmark = pytest.mark.gpu
 
@@ -154,8 +155,7 @@ def test_split_k_shrink_is_bit_identical_run_to_run(num_tokens, hidden, sizes):
     cfg = shrink_config(num_tokens, hidden, sr)
     assert cfg.split_k > 1
     args = (case["x"], case["a"], case["slot_rank"], case["meta"], len(sizes))
-    parts = torch.full((cfg.split_k, num_tokens, sr), float("nan"), device="cuda")
-    lora_shrink(*args, parts)
+    parts = shrink_partials(*args, cfg)
     defined = defined_mask(case, 16)
     expected = torch.zeros(num_tokens, sr, device="cuda")
     for p in parts:  # split 0, 1, ... in turn

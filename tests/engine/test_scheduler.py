@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from loraserve.config import SchedulerConfig
+from loraserve.config import LoRAConfig, SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
-from loraserve.engine.request import Sequence, SequenceStatus
+from loraserve.sequence import Sequence, SequenceStatus
 from loraserve.engine.scheduler import Scheduler
 from loraserve.sampling_params import SamplingParams
 
@@ -46,7 +46,7 @@ def test_random_requests_with_aborts_leak_no_blocks(seed):
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
     bm = BlockManager(num_blocks=40, block_size=8)
-    sched = Scheduler(config, bm, max_loras=2)
+    sched = Scheduler(config, bm, LoRAConfig(max_loras=2))
     pending = [_seq(i, rng.randint(1, 100), rng.randint(1, 40), rng.choice([None, "a", "b", "c", "d"]))
                for i in range(1000)]
     finished, aborted, steps = [], [], 0
@@ -73,7 +73,7 @@ def test_preemption_under_tiny_kv_budget_completes_everything():
     rng = random.Random(3)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
     bm = BlockManager(num_blocks=10, block_size=8)  # 80 tokens: a few sequences at most
-    sched = Scheduler(config, bm, max_loras=4)
+    sched = Scheduler(config, bm, LoRAConfig(max_loras=4))
     seqs = [_seq(i, rng.randint(5, 30), rng.randint(5, 30)) for i in range(30)]
     for s in seqs:
         sched.add(s)
@@ -89,7 +89,7 @@ def test_preemption_under_tiny_kv_budget_completes_everything():
 
 def test_chunked_prefill_respects_token_budget():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)
-    sched = Scheduler(config, BlockManager(64, 8), max_loras=1)
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1))
     seq = _seq(0, 50, 2)
     sched.add(seq)
     chunks = []
@@ -104,7 +104,7 @@ def test_chunked_prefill_respects_token_budget():
 
 def test_adapter_limit_blocks_fcfs_but_lets_base_requests_pass():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    sched = Scheduler(config, BlockManager(64, 8), max_loras=1)
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1))
     a, b, a2, base = _seq(0, 4, 4, "a"), _seq(1, 4, 4, "b"), _seq(2, 4, 4, "a"), _seq(3, 4, 4)
     for s in (a, b, a2, base):
         sched.add(s)
@@ -120,7 +120,7 @@ def test_adapter_limit_blocks_fcfs_but_lets_base_requests_pass():
 
 def test_pinned_adapters_take_slots():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    sched = Scheduler(config, BlockManager(64, 8), max_loras=2, pinned_loras={"p"})
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=2), pinned_loras=lambda: {"p"})
     sched.add(_seq(0, 4, 4, "a"))
     sched.add(_seq(1, 4, 4, "b"))
     sched.add(_seq(2, 4, 4, "p"))

@@ -6,16 +6,23 @@ from base rows (a graph that dropped LoRA fails); adapters loaded or replaced
 after capture take effect at the next step; graphs + LoRA match PEFT in bf16.
 """
 import random
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from decode_batch import random_decode_inputs
 from hf_reference import load_hf_model, teacher_forced_logprobs
-from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
+from model_fixtures import make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
-from loraserve.kernels.lora_meta import LoRAMetaBuilder
-from loraserve.worker.forward_context import AttentionMetadata, ForwardContext, lora_side_for_this_pass
+from loraserve.forward_context import AttentionMetadata, ForwardContext
+from loraserve.lora.metadata import LoRAMetaBuilder
+from loraserve.lora.runtime import LoRABatch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from bench_common import time_capture  # noqa: E402 (the benchmarks' capture timer)
 
 pytestmark = pytest.mark.gpu
 
@@ -41,22 +48,18 @@ def _probe(llm, n, token_slots, seed):
     runner = llm.engine.runner
     gr = runner.graph_runner
     rng = np.random.default_rng(seed)
-    bs = runner.block_size
-    seq_lens = rng.integers(1, 2 * bs, size=n).astype(np.int32)
-    tables = np.stack([np.arange(2 * i, 2 * i + 2) for i in range(n)]).astype(np.int32)
-    positions = (seq_lens - 1).astype(np.int64)
-    slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-    ids = rng.integers(0, llm.engine.hf_config.vocab_size, size=n)
-    graph = gr.run(ids, positions, slots, seq_lens, tables, np.asarray(token_slots)).clone()
+    inputs = random_decode_inputs(rng, n, runner.block_size, llm.engine.hf_config.vocab_size, token_slots)
+    graph = gr.replay(inputs).clone()
 
     def eager(lora_slots):
         dev = torch.device("cuda")
-        attn = AttentionMetadata(torch.from_numpy(slots).to(dev), torch.from_numpy(tables).to(dev),
-                                 torch.from_numpy(seq_lens).to(dev),
+        attn = AttentionMetadata(torch.from_numpy(inputs.slot_mapping).to(dev),
+                                 torch.from_numpy(inputs.block_tables).to(dev), torch.from_numpy(inputs.seq_lens).to(dev),
                                  torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
-        meta = runner.lora_meta_builder.build(np.asarray(lora_slots)) if lora_slots is not None else None
-        return runner.model(torch.from_numpy(ids).to(dev), torch.from_numpy(positions).to(dev),
-                            ForwardContext(attn, meta)).clone()
+        # LoRA products in place (no side stream), on the unpadded batch
+        lora = LoRABatch(runner.lora.metadata.build(np.asarray(lora_slots)), None) if lora_slots is not None else None
+        return runner.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
+                            ForwardContext(attn, lora)).clone()
 
     with torch.inference_mode():
         return graph, eager(token_slots), eager(None)
@@ -86,15 +89,15 @@ def test_graph_equals_eager_for_every_bucket_and_adapter_mix(setup):
 
 
 def test_timing_a_capture_again_leaves_the_graphs_as_they_were(setup):
-    """time_capture (benchmarks) captures every bucket into graphs it drops: the runner's graphs give the
-    same bits before and after, with adapters active."""
+    """time_capture (benchmarks/bench_common.py) captures every bucket into graphs it drops: the runner's
+    graphs give the same bits before and after, with adapters active."""
     _, _, llm = setup
     slots = llm.engine.lora_manager.prepare_slots({"a0", "a2"}, set())
     gr = llm.engine.runner.graph_runner
     token_slots = [slots["a0"], -1, slots["a2"], slots["a0"], -1]
     before, eager, _ = _probe(llm, 5, token_slots, seed=7)
     graphs = dict(gr.graphs)
-    assert gr.time_capture() > 0
+    assert time_capture(gr) > 0
     assert gr.graphs == graphs
     after, _, _ = _probe(llm, 5, token_slots, seed=7)
     assert torch.equal(before, after)
@@ -106,13 +109,13 @@ def test_side_stream_delta_equals_in_place_lora(setup):
     _, _, llm = setup
     runner = llm.engine.runner
     runner_slots = llm.engine.lora_manager.prepare_slots({"a0", "a1", "a3"}, set())
-    assert runner.lora_side is not None
+    assert runner.lora.side is not None
     dev = torch.device("cuda")
-    other_builder = LoRAMetaBuilder(runner.lora_meta_builder.max_tokens, runner.lora_meta_builder.max_loras, dev)
+    builder0 = runner.lora.metadata
+    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras, dev)
     # 9 and 5 tokens share kernel shapes (the bound side-stream launches), 100 has others; another
     # metadata buffer must not be served by launches bound to the runner's
-    for n, builder in ((9, runner.lora_meta_builder), (5, runner.lora_meta_builder), (100, runner.lora_meta_builder),
-                       (5, other_builder)):
+    for n, builder in ((9, builder0), (5, builder0), (100, builder0), (5, other_builder)):
         token_slots = np.array([-1, runner_slots["a0"], runner_slots["a1"], runner_slots["a3"]] * 25)[:n]
         ids = torch.arange(3, 3 + n, device=dev)
         positions = torch.zeros(n, dtype=torch.long, device=dev)
@@ -122,9 +125,9 @@ def test_side_stream_delta_equals_in_place_lora(setup):
                                  torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
         outs = []
         with torch.inference_mode():
-            for side in (lora_side_for_this_pass(runner.lora_side), None):
-                meta = builder.build(token_slots)
-                outs.append(runner.model(ids, positions, ForwardContext(attn, meta, side)).clone())
+            for side in (runner.lora.side.for_this_pass(), None):
+                lora = LoRABatch(builder.build(token_slots), side)
+                outs.append(runner.model(ids, positions, ForwardContext(attn, lora)).clone())
         assert torch.equal(outs[0], outs[1]), f"{n} tokens"
 
 

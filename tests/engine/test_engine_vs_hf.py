@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
-from model_fixtures import ARCHS, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
+from model_fixtures import ARCHS
 from loraserve import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=5)

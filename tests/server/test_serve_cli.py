@@ -13,13 +13,13 @@ import time
 import httpx
 import openai
 import pytest
-from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401
+from model_fixtures import make_lora_adapters
 from server_harness import serve
 
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.entrypoints.server import ServerSettings
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _free_port() -> int:
@@ -92,6 +92,7 @@ def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_pat
 
 @pytest.mark.slow
 def test_default_model_chat():
+    from loraserve.config import EngineArgs
     from loraserve.engine.engine import LLMEngine
     from loraserve.models.gguf_loader import default_model_path
 
@@ -100,7 +101,7 @@ def test_default_model_chat():
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
 
-    engine = AsyncLLMEngine(LLMEngine(device="cpu", max_model_len=512, max_num_seqs=4))
+    engine = AsyncLLMEngine(LLMEngine.from_args(EngineArgs(device="cpu", max_model_len=512, max_num_seqs=4)))
     engine.start()
     try:
         with serve(engine, ServerSettings()) as url:

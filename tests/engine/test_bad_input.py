@@ -5,7 +5,6 @@ import shutil
 
 import pytest
 
-from model_fixtures import tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
 from loraserve import LLM, SamplingParams
 from loraserve.errors import ModelLoadError, PromptTooLongError
 

@@ -19,12 +19,8 @@ transformers = pytest.importorskip("transformers")
 from peft import IA3Config, LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from peft.tuners.lora import Linear as PeftLoraLinear  # noqa: E402
 
-from loraserve.lora.adapter import (  # noqa: E402
-    LoRAAdapter,
-    LoRAAdapterError,
-    LoRAModelSpec,
-    load_lora_adapter,
-)
+from loraserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter  # noqa: E402
+from loraserve.models.lora_spec import LoRAModelSpec  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS, INTER = 64, 2, 4, 2, 128
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

@@ -1,4 +1,5 @@
-"""A request's state inside the engine: tokens, progress, KV blocks, detokenizer offsets."""
+"""The sequence and batch types that the scheduler makes and the model runner consumes: a request's state
+inside the engine (tokens, progress, KV blocks, detokenizer offsets) and one scheduled step."""
 from __future__ import annotations
 
 import enum
@@ -82,3 +83,30 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, from seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the sequence and so samples a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: what each scheduled sequence computes, and the sequences preempted to make room."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from hf_reference import load_hf_model, teacher_forced_logprobs
-from model_fixtures import ARCHS, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
+from model_fixtures import ARCHS
 from loraserve import LLM, SamplingParams
 from loraserve.worker.graph_check import verify_graphs
+from decode_batch import random_decode_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -54,7 +55,7 @@ def test_every_bucket_graph_equals_eager(tiny_model_factory):
     eager = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=48, enforce_eager=True)
     runner = graphs.engine.runner
     assert sorted(runner.graph_runner.graphs) == runner.graph_runner.buckets
-    assert verify_graphs(runner.graph_runner, runner.model, runner.num_blocks, None) == []
+    assert verify_graphs(runner) == []
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=3)
     for batch in runner.graph_runner.buckets:
         prompts = [{"prompt_token_ids": p} for p in _prompts(batch, 300, seed=batch)]
@@ -77,16 +78,12 @@ def test_padding_rows_with_garbage_never_touch_real_rows(tiny_model_factory):
     n, bucket = 5, 8
     assert gr.bucket_for(n) == bucket
     bs = runner.block_size
-    seq_lens = rng.integers(1, 2 * bs, size=n).astype(np.int32)
-    tables = np.stack([np.arange(2 * i, 2 * i + 2) for i in range(n)]).astype(np.int32)
-    positions = (seq_lens - 1).astype(np.int64)
-    slots = tables[np.arange(n), positions // bs].astype(np.int64) * bs + positions % bs
-    ids = rng.integers(0, 300, size=n)
+    inputs = random_decode_inputs(rng, n, bs, 300)
     k_cache = runner.attn_layers[0].k_cache
-    real_blocks = torch.from_numpy(tables.reshape(-1).astype(np.int64)).cuda()
+    real_blocks = torch.from_numpy(inputs.block_tables.reshape(-1).astype(np.int64)).cuda()
 
     def run(garbage: bool):
-        gr.write_inputs(ids, positions, slots, seq_lens, tables, None, bucket)
+        gr.write_inputs(gr.pad(inputs))
         if garbage:
             inp = gr.inputs
             inp.input_ids[n:bucket] = torch.randint(0, 300, (bucket - n,), dtype=torch.int32, device="cuda")

@@ -6,8 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model_fixtures import (ARCHS, LORA_STD, make_fallback_tokenizer, make_lora_adapters,  # noqa: F401
-                            make_tiny_model, tiny_model_dir, tiny_model_factory, tiny_tokenizer)
+from model_fixtures import LORA_STD, make_fallback_tokenizer, make_lora_adapters, make_tiny_model
 
 
 def _load(folder):

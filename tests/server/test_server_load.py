@@ -17,10 +17,11 @@ from collections import Counter
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401
+from model_fixtures import make_lora_adapters
 from server_harness import metric, serve, wait_until_idle
 
 from loraserve.engine.async_engine import AsyncLLMEngine
+from loraserve.config import EngineArgs
 from loraserve.engine.engine import LLMEngine
 from loraserve.entrypoints.server import ServerSettings
 from loraserve.lora.request import LoRARequest
@@ -40,8 +41,8 @@ def load_server(tiny_model_factory, tmp_path_factory):
     specs = [dict(name=name, r=4 + 4 * (i % 3), lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
              for i, name in enumerate(STABLE + CHURN)]
     paths = dict(zip(STABLE + CHURN, make_lora_adapters(model, root, specs)))
-    llm = LLMEngine(model, device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16, max_cpu_loras=4,
-                    max_num_seqs=16, max_model_len=256)
+    llm = LLMEngine.from_args(EngineArgs(model, device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16,
+                                         max_cpu_loras=4, max_num_seqs=16, max_model_len=256))
     for name in STABLE:
         llm.add_lora(LoRARequest(name, paths[name]))
     engine = AsyncLLMEngine(llm, max_waiting_requests=4 * CLIENTS)

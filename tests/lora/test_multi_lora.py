@@ -2,10 +2,9 @@
 import random
 
 import pytest
-import torch
 
 from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
-from model_fixtures import make_lora_adapters, tiny_model_factory, tiny_tokenizer  # noqa: F401 (fixtures)
+from model_fixtures import make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.errors import UnknownLoRAError
 

@@ -1,0 +1,130 @@
+"""A step's inputs on the host (numpy): made from the scheduled sequences in one place, and padded to a
+CUDA graph bucket by one rule.
+
+A step computes tokens [num_computed_tokens, num_computed_tokens + n) of each
+scheduled sequence (T tokens of S sequences in all); one that reaches the end
+of its sequence samples a token. Prefill, chunked prefill, decode and
+recompute after preemption are all this one shape.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loraserve.sequence import PENDING_TOKEN, ScheduledSequence
+
+
+@dataclass
+class StepInputs:
+    """Host-side inputs of one step: T tokens of S sequences."""
+
+    input_ids: np.ndarray  # [T] int64 (PENDING_TOKEN where the token is still on the device)
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64: KV cache slot (block * block_size + offset) of each token
+    block_tables: np.ndarray  # [S, MB] int32
+    seq_lens: np.ndarray  # [S] int32: context length after the step
+    query_start_loc: np.ndarray  # [S+1] int32
+    token_lora_slots: np.ndarray  # [T] int32, -1 = base
+    logits_rows: np.ndarray  # [N] int64: rows whose hidden state is sampled
+    max_query_len: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.max_query_len == 1
+
+    @classmethod
+    def prepare(cls, scheduled: list[ScheduledSequence], lora_slots: dict[str, int], block_size: int
+                ) -> StepInputs:
+        """The inputs of a scheduled step; lora_slots: adapter name -> its GPU slot.
+
+        Per sequence only Python list work (its token ids, its block table row); the per-token arrays are
+        computed with a few whole-step numpy operations."""
+        seqs = [item.seq for item in scheduled]
+        counts = [item.num_new_tokens for item in scheduled]
+        starts = [seq.num_computed_tokens for seq in seqs]
+        ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, counts):
+            ids.extend(seq.token_range(start, start + n))
+        tables = np.zeros((len(seqs), max(len(seq.block_table) for seq in seqs)), dtype=np.int32)  # [S, MB]
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        counts_np, starts_np = np.asarray(counts, np.int64), np.asarray(starts, np.int64)
+        query_start_loc = np.zeros(len(seqs) + 1, dtype=np.int32)
+        np.cumsum(counts_np, out=query_start_loc[1:])
+        row = np.repeat(np.arange(len(seqs)), counts_np)  # [T] the sequence of each token
+        positions = np.arange(len(ids), dtype=np.int64) - query_start_loc[:-1][row] + starts_np[row]
+        slot_mapping = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        seq_slots = np.array([lora_slots[seq.lora_name] if seq.lora_name is not None else -1 for seq in seqs],
+                             dtype=np.int32)
+        samples = np.array([item.samples for item in scheduled], dtype=bool)
+        return cls(np.asarray(ids, np.int64), positions, slot_mapping, tables,
+                   (starts_np + counts_np).astype(np.int32), query_start_loc, seq_slots[row],
+                   query_start_loc[1:][samples].astype(np.int64) - 1, max(counts))
+
+    def padded(self, bucket: int, max_blocks: int, dummy_block: int, block_size: int) -> StepInputs:
+        """A decode step padded to `bucket` rows and `max_blocks` table columns (the CUDA graphs' rule).
+
+        Padding rows have token 0, position 0, seq_len 0 and LoRA slot -1, and write their K/V into the
+        dummy block; every table entry past a row's own blocks is the dummy block. So padding can touch
+        no real sequence's KV cache or output."""
+        n, pad = self.num_tokens, bucket - self.num_tokens
+        if not self.is_decode and n:
+            raise ValueError("only decode steps (one token per sequence) are padded")
+        tables = np.full((bucket, max_blocks), dummy_block, dtype=np.int32)  # [bucket, MB]
+        tables[:n, :self.block_tables.shape[1]] = self.block_tables
+        return StepInputs(
+            input_ids=np.concatenate([self.input_ids, np.zeros(pad, np.int64)]),
+            positions=np.concatenate([self.positions, np.zeros(pad, np.int64)]),
+            slot_mapping=np.concatenate([self.slot_mapping, np.full(pad, dummy_block * block_size, np.int64)]),
+            block_tables=tables,
+            seq_lens=np.concatenate([self.seq_lens, np.zeros(pad, np.int32)]),
+            query_start_loc=np.arange(bucket + 1, dtype=np.int32),
+            token_lora_slots=np.concatenate([self.token_lora_slots, np.full(pad, -1, np.int32)]),
+            logits_rows=self.logits_rows, max_query_len=1)
+
+    @classmethod
+    def empty_decode(cls) -> StepInputs:
+        """A decode step of no sequence: `padded` turns it into a batch of padding rows only."""
+        ints = np.zeros(0, np.int64)
+        return cls(ints, ints, ints, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32),
+                   np.zeros(0, np.int32), ints, 1)
+
+
+@dataclass
+class PendingTokenFill:
+    """Input rows whose token is still on the device: ids[rows] = in-flight samples[sources]."""
+
+    rows: np.ndarray  # [K] int64 rows of this step's input_ids
+    sources: np.ndarray  # [K] int64 rows of the in-flight step's samples
+    tokens: torch.Tensor  # [M] int64 the in-flight step's samples (device)
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens into the device input ids (no host sync)."""
+        k = self.rows.shape[0]
+        if np.array_equal(self.rows, self.sources) and np.array_equal(self.rows, np.arange(k)):
+            input_ids[:k].copy_(self.tokens[:k])  # the usual decode case: same rows, same order
+            return
+        rows = torch.from_numpy(self.rows).to(input_ids.device, non_blocking=True)
+        sources = torch.from_numpy(self.sources).to(input_ids.device, non_blocking=True)
+        input_ids.index_copy_(0, rows, self.tokens.index_select(0, sources).to(input_ids.dtype))
+
+    @classmethod
+    def find(cls, inputs: StepInputs, scheduled: list[ScheduledSequence], sampled_by: list,
+             tokens: torch.Tensor | None) -> PendingTokenFill | None:
+        """Where this step's input holds tokens sampled by the step in flight (its sampling sequences
+        `sampled_by`, in row order, and their samples `tokens`), or None if nowhere."""
+        rows = np.flatnonzero(inputs.input_ids == PENDING_TOKEN)
+        if rows.size == 0:
+            return None
+        if tokens is None:
+            raise RuntimeError("a pending token is scheduled but no step is in flight")
+        source_of = {seq: i for i, seq in enumerate(sampled_by)}
+        owners = np.searchsorted(inputs.query_start_loc, rows, side="right") - 1  # [K] scheduled index per row
+        sources = np.array([source_of[scheduled[i].seq] for i in owners.tolist()], dtype=np.int64)
+        return cls(rows.astype(np.int64), sources, tokens)
