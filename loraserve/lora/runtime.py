@@ -1,11 +1,12 @@
 """The LoRA runtime's one owner: the model's LoRA layers and their slot storage, slot writes, the step
 metadata, and the side stream with its scratch.
 
-The model runner speaks to it through two calls: `for_step(token_slots)` before
-a forward pass (writes the step's token -> slot metadata and returns the pass's
-LoRA state, the ForwardContext's `lora`), and `for_capture()` when a CUDA graph
-is captured (the same static buffers, which every replay reads as the last
-`for_step` left them). Adapters are written into slots with `write_slot` (the
+The model runner speaks to it through three calls: `for_step(token_slots)`
+before an eager forward pass (writes the step's token -> slot metadata and
+returns the pass's LoRA state, the ForwardContext's `lora`), `for_capture()`
+when a CUDA graph is captured (the same static buffers), and
+`write_metadata(token_slots)` before a graph replay (which reads the buffers
+as it left them). Adapters are written into slots with `write_slot` (the
 LoRA manager, which decides which adapter goes where, and the start-up graph
 check with its probe adapters) and freed with `clear_slot`.
 """
@@ -69,10 +70,14 @@ class LoRARuntime:
                                     max(layer.lora_rows for layer in layers), splits, self.dtype, self.device)
 
     # -- a forward pass -------------------------------------------------------------------
+    def write_metadata(self, token_slots: np.ndarray) -> LoRAMeta:
+        """Write the metadata of a step's tokens (token_slots: [T] slot per token, -1 = base) into the static
+        buffers; the copy is issued on the current stream, ahead of the pass that reads it."""
+        return self.metadata.build(token_slots)
+
     def for_step(self, token_slots: np.ndarray) -> LoRABatch:
-        """Write the metadata of a step's tokens (token_slots: [T] slot per token, -1 = base) and return
-        the pass's LoRA state. The copy is issued on the current stream, ahead of the pass."""
-        return LoRABatch(self.metadata.build(token_slots), self._side_for_this_pass())
+        """write_metadata, and the LoRA state of an eager pass over these tokens."""
+        return LoRABatch(self.write_metadata(token_slots), self._side_for_this_pass())
 
     def for_capture(self) -> LoRABatch:
         """The LoRA state of a pass captured into a CUDA graph: the static metadata buffers, not rewritten."""

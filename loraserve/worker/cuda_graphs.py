@@ -1,11 +1,11 @@
 """CUDA graphs for decode steps: one graph per padded batch size, with the LoRA kernels inside.
 
 Every input of a decode step lives in static device buffers sized for the
-largest bucket; a step pads its inputs to the smallest bucket that holds the
-batch (StepInputs.padded: padding rows point at the dummy KV block, have
-seq_len 0 and LoRA slot -1, so they can't touch real sequences), writes them
-from a pinned host buffer with one non-blocking copy (plus the LoRA
-metadata's own copy), then replays that bucket's graph. With LoRA enabled the
+largest bucket; a step is padded to the smallest bucket that holds the batch
+(StepInputs.pad_into: padding rows point at the dummy KV block, have seq_len 0
+and LoRA slot -1, so they can't touch real sequences) straight into a pinned
+host buffer, copied to the device with one non-blocking copy (plus the LoRA
+metadata's own copy), and that bucket's graph is replayed. With LoRA enabled the
 LoRA kernels are always captured: adapters loaded later are picked up by the
 same graphs, since slot storage and metadata buffers never move.
 """
@@ -35,29 +35,32 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class GraphInputs(NamedTuple):
     """The decode graphs' static inputs for up to B rows: views of one int32 vector laid out as
-    input_ids [B] | positions [B] | slot_mapping [B] | seq_lens [B] | block_tables [B, MB].
-    The same layout serves the device buffer and the pinned host buffers it is copied from."""
+    input_ids [B] | positions [B] | slot_mapping [B] | seq_lens [B] | token_lora_slots [B] | block_tables [B, MB].
+    The same layout serves the device buffer and the pinned host buffers it is copied from (the LoRA
+    slots go from there into the LoRA metadata; on the device they are not read)."""
 
     input_ids: torch.Tensor  # [B]
     positions: torch.Tensor  # [B]
     slot_mapping: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B]
+    token_lora_slots: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, MB]
 
     @staticmethod
     def size(max_batch: int, max_blocks: int) -> int:
-        return 4 * max_batch + max_batch * max_blocks
+        return 5 * max_batch + max_batch * max_blocks
 
     @classmethod
     def views(cls, buf, max_batch: int, max_blocks: int) -> GraphInputs:
         """Views of `buf` (a tensor, or a numpy array over a pinned host buffer)."""
         b = max_batch
-        return cls(buf[:b], buf[b:2 * b], buf[2 * b:3 * b], buf[3 * b:4 * b], buf[4 * b:].reshape(b, max_blocks))
+        return cls(buf[:b], buf[b:2 * b], buf[2 * b:3 * b], buf[3 * b:4 * b], buf[4 * b:5 * b],
+                   buf[5 * b:].reshape(b, max_blocks))
 
     @staticmethod
     def used(bucket: int, max_batch: int, max_blocks: int) -> int:
         """How much of the vector a bucket reads (block-table rows past it are never read)."""
-        return 4 * max_batch + bucket * max_blocks
+        return 5 * max_batch + bucket * max_blocks
 
 
 class CUDAGraphRunner:
@@ -98,8 +101,7 @@ class CUDAGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first, into one shared memory pool."""
-        self.write_inputs(StepInputs.empty_decode().padded(self.max_batch, self.max_blocks, self.dummy_block,
-                                                     self.block_size))
+        self.write_inputs(StepInputs.empty_decode(), self.max_batch)
         order = sorted(self.buckets, reverse=True)
         start = time.perf_counter()
         for batch in order:  # warm-up: Triton compiles (or loads from its cache) outside the capture
@@ -146,35 +148,30 @@ class CUDAGraphRunner:
         self.outputs.pop(bucket, None)
 
     def pad(self, inputs: StepInputs) -> StepInputs:
-        """The inputs padded to the bucket that replays them."""
+        """The inputs padded as the graph that replays them sees them (for an eager forward to compare)."""
         return inputs.padded(self.bucket_for(inputs.num_tokens), self.max_blocks, self.dummy_block, self.block_size)
 
     def replay(self, inputs: StepInputs, fill: PendingTokenFill | None = None) -> torch.Tensor:
         """Replay the graph of the smallest bucket holding this decode step (can_replay); returns the hidden
         states of its n rows [n, D] (a view of the graph's static output). `fill` writes tokens still on the
         device into the input ids."""
-        padded = self.pad(inputs)
-        bucket = padded.num_tokens
-        self.write_inputs(padded)
+        bucket = self.bucket_for(inputs.num_tokens)
+        self.write_inputs(inputs, bucket)
         if fill is not None:
             fill.apply(self.inputs.input_ids)
         self.graphs[bucket].replay()
         return self.outputs[bucket][:inputs.num_tokens]
 
-    def write_inputs(self, padded: StepInputs) -> None:
-        """Copy a padded step (`pad`) into the static buffers, and its LoRA slots into the LoRA metadata."""
-        bucket, b, mb = padded.num_tokens, self.max_batch, self.max_blocks
+    def write_inputs(self, inputs: StepInputs, bucket: int) -> None:
+        """Write a decode step, padded to `bucket` rows, into the static buffers, and its LoRA slots into
+        the LoRA metadata."""
         index = self._next
         self._next = 1 - index
         self._copy_done[index].synchronize()  # the copy that last used this staging buffer is done
         host = self._host[index]
-        host.input_ids[:bucket] = padded.input_ids
-        host.positions[:bucket] = padded.positions
-        host.slot_mapping[:bucket] = padded.slot_mapping
-        host.seq_lens[:bucket] = padded.seq_lens
-        host.block_tables[:bucket] = padded.block_tables
-        used = GraphInputs.used(bucket, b, mb)
+        inputs.pad_into(host, bucket, self.dummy_block, self.block_size)
+        used = GraphInputs.used(bucket, self.max_batch, self.max_blocks)
         self._device_buf[:used].copy_(self._staging[index][:used], non_blocking=True)
         self._copy_done[index].record()
         if self.lora is not None:
-            self.lora.for_step(padded.token_lora_slots)
+            self.lora.write_metadata(host.token_lora_slots[:bucket])

@@ -67,30 +67,36 @@ class StepInputs:
                    (starts_np + counts_np).astype(np.int32), query_start_loc, seq_slots[row],
                    query_start_loc[1:][samples].astype(np.int64) - 1, max(counts))
 
-    def padded(self, bucket: int, max_blocks: int, dummy_block: int, block_size: int) -> StepInputs:
-        """A decode step padded to `bucket` rows and `max_blocks` table columns (the CUDA graphs' rule).
+    def pad_into(self, out, bucket: int, dummy_block: int, block_size: int) -> None:
+        """Write this decode step, padded to `bucket` rows, into rows [0, bucket) of `out`'s input_ids,
+        positions, slot_mapping, seq_lens, token_lora_slots and block_tables (numpy arrays at least that
+        long, block_tables at least as wide as this step's): the CUDA graphs' padding rule.
 
         Padding rows have token 0, position 0, seq_len 0 and LoRA slot -1, and write their K/V into the
         dummy block; every table entry past a row's own blocks is the dummy block. So padding can touch
         no real sequence's KV cache or output."""
-        n, pad = self.num_tokens, bucket - self.num_tokens
+        n = self.num_tokens
         if not self.is_decode and n:
             raise ValueError("only decode steps (one token per sequence) are padded")
-        tables = np.full((bucket, max_blocks), dummy_block, dtype=np.int32)  # [bucket, MB]
-        tables[:n, :self.block_tables.shape[1]] = self.block_tables
-        return StepInputs(
-            input_ids=np.concatenate([self.input_ids, np.zeros(pad, np.int64)]),
-            positions=np.concatenate([self.positions, np.zeros(pad, np.int64)]),
-            slot_mapping=np.concatenate([self.slot_mapping, np.full(pad, dummy_block * block_size, np.int64)]),
-            block_tables=tables,
-            seq_lens=np.concatenate([self.seq_lens, np.zeros(pad, np.int32)]),
-            query_start_loc=np.arange(bucket + 1, dtype=np.int32),
-            token_lora_slots=np.concatenate([self.token_lora_slots, np.full(pad, -1, np.int32)]),
-            logits_rows=self.logits_rows, max_query_len=1)
+        out.input_ids[:n], out.input_ids[n:bucket] = self.input_ids, 0
+        out.positions[:n], out.positions[n:bucket] = self.positions, 0
+        out.slot_mapping[:n], out.slot_mapping[n:bucket] = self.slot_mapping, dummy_block * block_size
+        out.seq_lens[:n], out.seq_lens[n:bucket] = self.seq_lens, 0
+        out.token_lora_slots[:n], out.token_lora_slots[n:bucket] = self.token_lora_slots, -1
+        out.block_tables[:bucket] = dummy_block
+        out.block_tables[:n, :self.block_tables.shape[1]] = self.block_tables
+
+    def padded(self, bucket: int, max_blocks: int, dummy_block: int, block_size: int) -> StepInputs:
+        """A new StepInputs: this decode step padded to `bucket` rows and `max_blocks` table columns (pad_into)."""
+        out = StepInputs(np.empty(bucket, np.int64), np.empty(bucket, np.int64), np.empty(bucket, np.int64),
+                         np.empty((bucket, max_blocks), np.int32), np.empty(bucket, np.int32),
+                         np.arange(bucket + 1, dtype=np.int32), np.empty(bucket, np.int32), self.logits_rows, 1)
+        self.pad_into(out, bucket, dummy_block, block_size)
+        return out
 
     @classmethod
     def empty_decode(cls) -> StepInputs:
-        """A decode step of no sequence: `padded` turns it into a batch of padding rows only."""
+        """A decode step of no sequence: padded, a batch of padding rows only."""
         ints = np.zeros(0, np.int64)
         return cls(ints, ints, ints, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32),
                    np.zeros(0, np.int32), ints, 1)

@@ -83,7 +83,7 @@ def test_padding_rows_with_garbage_never_touch_real_rows(tiny_model_factory):
     real_blocks = torch.from_numpy(inputs.block_tables.reshape(-1).astype(np.int64)).cuda()
 
     def run(garbage: bool):
-        gr.write_inputs(gr.pad(inputs))
+        gr.write_inputs(inputs, bucket)
         if garbage:
             inp = gr.inputs
             inp.input_ids[n:bucket] = torch.randint(0, 300, (bucket - n,), dtype=torch.int32, device="cuda")
