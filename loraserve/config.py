@@ -105,13 +105,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA limits: GPU slots (at most this many distinct adapters in one step), largest rank, CPU cache."""
+    """Multi-LoRA limits: GPU slots (at most this many distinct adapters in one step), largest rank, CPU cache,
+    and how long a request may wait for a slot before one is freed for it."""
 
     max_loras: int = 4
     max_lora_rank: int = 64
     max_cpu_loras: int = 16
+    max_wait_steps: int = 32  # steps a request waits for a GPU slot before an adapter is drained for it
 
     def __post_init__(self) -> None:
+        if self.max_wait_steps < 1:
+            raise ValueError(f"max_wait_steps must be at least 1, got {self.max_wait_steps}")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if self.max_lora_rank < 1:

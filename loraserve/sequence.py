@@ -52,6 +52,7 @@ class Sequence:
     read_offset: int = 0
     num_preemptions: int = 0
     num_pending_tokens: int = 0  # sampled by a step in flight, not yet on the host
+    queued_at_step: int = 0  # the scheduler step at which it last entered the waiting queue
 
     def token_range(self, start: int, end: int) -> list[int]:
         """Token ids [start, end) of prompt + output + pending tokens (PENDING_TOKEN for the pending ones)."""

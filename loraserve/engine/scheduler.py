@@ -6,11 +6,18 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    by length is skipped). If KV blocks run out, the newest running
    sequence is preempted (blocks freed, recomputed later from the start).
 2. Then waiting sequences, first come first served, while budget, blocks and
-   sequence slots last. A step holds at most `max_loras` distinct adapters: a
-   waiting request whose adapter does not fit blocks the requests behind it
-   that need an adapter (no starvation: running adapters drain, a slot frees),
-   while base-model requests and those of pinned adapters, which take no new
-   slot, may pass it.
+   sequence slots last. A step holds at most `max_loras` distinct adapters (the
+   GPU slots). A request whose adapter has no slot is passed over and never
+   blocks the requests behind it: base-model requests and requests of adapters
+   already running or pinned are admitted past it, and a freed slot goes to the
+   oldest waiting adapter.
+3. No starvation: once the oldest request without a slot has waited
+   `max_wait_steps` steps (LoRAConfig), no other new adapter may take a slot,
+   and if none is free, the running adapter with the fewest running requests
+   (pinned ones excepted) is drained: its new requests wait until its running
+   ones finish and its slot goes to the waiting adapter. So every request's
+   wait for a slot is bounded by about max_wait_steps plus the longest running
+   request of the drained adapter, whatever floods the other adapters.
 """
 from __future__ import annotations
 
@@ -31,7 +38,9 @@ class Scheduler:
         self.config = config
         self.block_manager = block_manager
         self.max_loras = lora.max_loras if lora is not None else 0
+        self.max_wait_steps = lora.max_wait_steps if lora is not None else 0
         self._pinned_loras = pinned_loras
+        self._step = 0  # schedule() calls so far
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
@@ -40,6 +49,7 @@ class Scheduler:
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.queued_at_step = self._step
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -61,6 +71,7 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._step += 1
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         i = 0
@@ -87,32 +98,54 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        adapter_blocked = False
         admitted: list[Sequence] = []
         pinned = self._pinned_loras()
+        starving = self._starving_adapter(pinned)
+        draining = self._draining(pinned) if starving is not None else None
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            if seq.lora_name is not None and seq.lora_name not in pinned:
-                if adapter_blocked:
-                    continue
-                resident = self._running_loras.keys() | pinned
-                if seq.lora_name not in resident and len(resident) >= self.max_loras:
-                    adapter_blocked = True
-                    continue
+            name = seq.lora_name
+            if name is not None and name not in pinned and not self._may_run(name, pinned, starving, draining):
+                continue  # no slot for its adapter now: the requests behind it go on
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 break
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
-            if seq.lora_name is not None:
-                self._running_loras[seq.lora_name] += 1
+            if name is not None:
+                self._running_loras[name] += 1
             admitted.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
+
+    def _may_run(self, name: str, pinned: AbstractSet[str], starving: str | None, draining: str | None) -> bool:
+        """Whether a request of the (unpinned) adapter `name` may be admitted now."""
+        if name in self._running_loras:
+            return name != draining  # a draining adapter takes no new requests: its slot goes to the starving one
+        if starving is not None and name != starving:
+            return False  # a slot that frees goes to the starving adapter first
+        return len(self._running_loras.keys() | pinned) < self.max_loras
+
+    def _starving_adapter(self, pinned: AbstractSet[str]) -> str | None:
+        """The adapter of the oldest waiting request that has no slot and has waited max_wait_steps, or None."""
+        for seq in self.waiting:
+            name = seq.lora_name
+            if (name is not None and name not in pinned and name not in self._running_loras
+                    and self._step - seq.queued_at_step >= self.max_wait_steps):
+                return name
+        return None
+
+    def _draining(self, pinned: AbstractSet[str]) -> str | None:
+        """With every slot taken, the running adapter that gives its slot up next: the one with the fewest
+        running requests (then by name), never a pinned one; None while a slot is free."""
+        if len(self._running_loras.keys() | pinned) < self.max_loras:
+            return None
+        candidates = [name for name in self._running_loras if name not in pinned]
+        return min(candidates, key=lambda name: (self._running_loras[name], name), default=None)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -122,6 +155,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
+        seq.queued_at_step = self._step
         self.waiting.appendleft(seq)
 
     def _drop_lora(self, seq: Sequence) -> None:

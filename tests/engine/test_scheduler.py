@@ -102,7 +102,7 @@ def test_chunked_prefill_respects_token_budget():
     assert chunks == [16, 16, 16, 2]
 
 
-def test_adapter_limit_blocks_fcfs_but_lets_base_requests_pass():
+def test_a_request_without_a_slot_never_blocks_the_requests_behind_it():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
     sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1))
     a, b, a2, base = _seq(0, 4, 4, "a"), _seq(1, 4, 4, "b"), _seq(2, 4, 4, "a"), _seq(3, 4, 4)
@@ -110,12 +110,12 @@ def test_adapter_limit_blocks_fcfs_but_lets_base_requests_pass():
         sched.add(s)
     out = sched.schedule()
     ran = {item.seq.request_id for item in out.scheduled}
-    # "b" can't get a slot; "a2" (behind "b") must not jump it; the base request may
-    assert ran == {"r0", "r3"}
+    # "b" can't get the one slot; "a2" (its adapter runs) and the base request pass it
+    assert ran == {"r0", "r2", "r3"}
     sched.finish(a, "stop")
-    out = sched.schedule()
-    assert "r1" in {item.seq.request_id for item in out.scheduled}
-    assert "r2" not in {item.seq.request_id for item in out.scheduled}
+    assert "r1" not in {item.seq.request_id for item in sched.schedule().scheduled}  # "a2" still holds the slot
+    sched.finish(a2, "stop")
+    assert "r1" in {item.seq.request_id for item in sched.schedule().scheduled}
 
 
 def test_pinned_adapters_take_slots():
@@ -140,3 +140,67 @@ def test_block_manager_allocate_and_free():
         bm.allocate(s, 80)
     bm.free(s)
     assert bm.num_free_blocks == 4 and s.block_table == []
+
+
+def _run_to_completion(sched: Scheduler, config: SchedulerConfig, max_loras: int, arrivals=None):
+    """Step until every request finishes, each step completing its sequences' tokens; arrivals: step ->
+    sequences added before that step. Returns the number of steps and the step each request first ran."""
+    rng, finished, first_run, step = random.Random(0), [], {}, 0
+    arrivals = arrivals or {}
+    while sched.has_unfinished() or any(k >= step for k in arrivals):
+        for seq in arrivals.get(step, []):
+            sched.add(seq)
+        out = sched.schedule()
+        _check_invariants(sched, out, config, max_loras)
+        for item in out.scheduled:
+            first_run.setdefault(item.seq.request_id, step)
+        _complete_step(sched, out, rng, finished)
+        step += 1
+        assert step < 10_000
+    return step, first_run
+
+
+def test_many_adapters_over_few_slots_take_about_the_ideal_number_of_steps():
+    """96 requests over 24 adapters (4 each, shuffled), 4 slots: the requests of the adapters that hold the
+    slots run together, so the run takes about 6 rounds of one request's length, not one adapter group per
+    request."""
+    rng = random.Random(5)
+    config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(config, BlockManager(400, 8), LoRAConfig(max_loras=4))
+    seqs = [_seq(i, 4, 8, f"a{i % 24}") for i in range(96)]
+    rng.shuffle(seqs)
+    for seq in seqs:
+        sched.add(seq)
+    steps, _ = _run_to_completion(sched, config, 4)
+    ideal = (24 // 4) * 8  # 6 rounds of 4 adapters, 8 steps each (a one-step prefill, then 7 decodes)
+    assert steps <= 1.25 * ideal, f"{steps} steps, ideal {ideal}"
+
+
+def test_a_cold_adapter_behind_a_hot_flood_gets_a_slot_in_bounded_steps():
+    """Two slots held by two hot adapters whose new requests arrive every step: a request for a third
+    adapter still runs within about max_wait_steps plus one hot request's length."""
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=64)
+    lora = LoRAConfig(max_loras=2, max_wait_steps=8)
+    sched = Scheduler(config, BlockManager(2000, 8), lora)
+    flood_steps, max_tokens = 60, 10
+    arrivals = {t: [_seq(1000 + 2 * t, 4, max_tokens, "h0"), _seq(1001 + 2 * t, 4, max_tokens, "h1")]
+                for t in range(flood_steps)}
+    arrivals[5].append(_seq(0, 4, max_tokens, "cold"))
+    _, first_run = _run_to_completion(sched, config, 2, arrivals)
+    waited = first_run["r0"] - 5
+    assert waited <= lora.max_wait_steps + max_tokens + 2, f"the cold request waited {waited} steps"
+    assert len(first_run) == 2 * flood_steps + 1  # and every request ran
+
+
+def test_pinned_adapters_are_never_drained():
+    """With the only unpinned slot taken by a hot adapter, a starving request drains that one, never the
+    pinned adapter."""
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=64)
+    lora = LoRAConfig(max_loras=2, max_wait_steps=4)
+    sched = Scheduler(config, BlockManager(2000, 8), lora, pinned_loras=lambda: {"p"})
+    arrivals = {t: [_seq(1000 + 2 * t, 4, 6, "p"), _seq(1001 + 2 * t, 4, 6, "hot")] for t in range(40)}
+    arrivals[2].append(_seq(0, 4, 6, "cold"))
+    _, first_run = _run_to_completion(sched, config, 2, arrivals)
+    assert first_run["r0"] - 2 <= lora.max_wait_steps + 6 + 2
+    p_steps = sorted(first_run[s.request_id] for t in range(40) for s in arrivals[t] if s.lora_name == "p")
+    assert p_steps == list(range(40))  # every request of the pinned adapter ran in the step it arrived
