@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from loraserve import LoRARequest, SamplingParams
+from loraserve.models.loader import open_model
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -81,6 +82,11 @@ def model_max_len(model: str) -> int | None:
 
     config = SYNTHETIC_CONFIGS.get(model.split(":", 1)[1])
     return config["max_position_embeddings"] if config else None
+
+
+def model_vocab_size(model: str) -> int:
+    """The vocabulary size of a model, read from its config (no weights)."""
+    return open_model(model).hf_config.vocab_size
 
 
 def release_memory() -> None:

@@ -7,9 +7,17 @@ output token gets a timestamp when its step returns. Reports output tokens/s,
 requests/s, and p50/p90/p99 of time to first token (TTFT, from arrival),
 inter-token latency (ITL, gaps between a request's tokens) and end-to-end
 latency. A few short requests run first as a warm-up (kernel compilation).
-Writes throughput.json to --out.
+With --adapters N the same trace runs on the base engine and then on a LoRA
+engine (--max-loras GPU slots) whose requests each name one of N random
+adapters of rank --lora-rank on all 7 projections, drawn uniformly or with
+Zipf popularity (adapter i with probability proportional to 1/(i+1)); every
+name is its own adapter to the engine (its own cache entry and slot writes),
+though the weights repeat every 8 names. Both runs are printed with the ratio
+of output tokens/s and of engine steps. --prefill-only gives every request one
+output token (prompt tokens/s). Writes throughput.json to --out.
 
     python benchmarks/throughput.py [--num-requests 256] [--request-rate 20] [--out DIR]
+    python benchmarks/throughput.py --num-requests 512 --prompt-len 64,512 --output-len 128,128 --adapters 64
     python benchmarks/throughput.py --model synthetic:tiny --device cpu --quick --out /tmp/b
 """
 from __future__ import annotations
@@ -28,6 +36,10 @@ import bench_common as bc  # noqa: E402
 from loraserve import SamplingParams  # noqa: E402
 from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
+from loraserve.lora.request import LoRARequest  # noqa: E402
+from loraserve.lora.synthetic import random_adapter  # noqa: E402
+
+DISTINCT_WEIGHTS = 8  # adapters with distinct random weights; names beyond repeat them (generating is slow)
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -50,7 +62,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="launch the next step before reading the current one's tokens")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--adapters", type=int, default=0, help="run a LoRA engine too, requests over N adapters")
+    p.add_argument("--adapter-dist", choices=("uniform", "zipf"), default="uniform")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--max-loras", type=int, default=8, help="GPU adapter slots of the LoRA engine")
+    p.add_argument("--prefill-only", action="store_true", help="one output token per request (prompt tok/s)")
     args = p.parse_args(argv)
+    if args.prefill_only:
+        args.output_len = (1, 1)
     args.num_requests = args.num_requests or (8 if args.quick else 256)
     args.prompt_len = args.prompt_len or ((16, 64) if args.quick else (128, 1024))
     args.output_len = args.output_len or ((8, 32) if args.quick else (128, 512))
@@ -68,26 +87,91 @@ def warm_up(engine, vocab: int, prompt_len: int, rng) -> None:
         engine.step()
 
 
-def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: np.ndarray) -> tuple[float, dict]:
-    """Submit requests at their arrival times and step until all finish; returns (seconds, token times)."""
+def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: np.ndarray,
+             adapters: list[str | None]) -> tuple[float, dict, int]:
+    """Submit requests at their arrival times and step until all finish; returns (seconds, token times,
+    engine steps)."""
     times: dict[str, list[float]] = {f"req-{i}": [] for i in range(len(prompts))}
-    nxt = 0
+    nxt, steps = 0, 0
     start = time.perf_counter()
     while nxt < len(prompts) or engine.has_unfinished_requests():
         now = time.perf_counter() - start
         while nxt < len(prompts) and arrivals[nxt] <= now:
             params = SamplingParams(max_tokens=int(out_lens[nxt]), ignore_eos=True, temperature=0.0)
-            engine.add_request(f"req-{nxt}", prompts[nxt], params)
+            lora = LoRARequest(adapters[nxt]) if adapters[nxt] is not None else None
+            engine.add_request(f"req-{nxt}", prompts[nxt], params, lora)
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[nxt] - now))
             continue
         outputs = engine.step()
+        steps += 1
         stamp = time.perf_counter() - start
         for out in outputs:
             got = times[out.request_id]
             got.extend([stamp] * (len(out.outputs[0].token_ids) - len(got)))
-    return time.perf_counter() - start, times
+    return time.perf_counter() - start, times, steps
+
+
+def request_adapters(args, rng, n: int) -> list[str]:
+    """The adapter of each request: one of args.adapters names, uniform or Zipf."""
+    weights = np.ones(args.adapters) if args.adapter_dist == "uniform" else 1.0 / np.arange(1, args.adapters + 1)
+    picks = rng.choice(args.adapters, size=n, p=weights / weights.sum())
+    return [f"lora-{i}" for i in picks]
+
+
+def register_adapters(engine, args) -> None:
+    """args.adapters names, each registered as its own adapter; weights repeat every DISTINCT_WEIGHTS names."""
+    spec = engine.lora_manager.runtime.spec
+    made = [random_adapter(spec, f"w{i}", args.lora_rank, seed=i) for i in range(min(args.adapters, DISTINCT_WEIGHTS))]
+    for i in range(args.adapters):
+        engine.lora_manager.register_adapter(f"lora-{i}", made[i % len(made)])
+
+
+def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, rng) -> dict:
+    """Build one engine, warm it up, replay the trace; the engine is freed on return."""
+    needed = args.prompt_len[1] + args.output_len[1] + 1
+    lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.lora_rank,
+                        max_cpu_loras=max(16, args.max_loras)) if lora else {}
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_args(EngineArgs(
+        args.model, device=device, dtype=args.dtype, max_model_len=needed, max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
+        async_scheduling=args.async_scheduling, **lora_options))
+    info = bc.engine_info(engine, time.perf_counter() - t0)
+    if lora:
+        register_adapters(engine, args)
+    warm_up(engine, engine.hf_config.vocab_size, args.prompt_len[0], rng)
+    preempted_before = engine.scheduler.num_preemptions
+    elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals, adapters if lora else [None] * len(prompts))
+    short = [rid for i, (rid, t) in enumerate(times.items()) if len(t) != out_lens[i]]
+    if short:
+        raise RuntimeError(f"{len(short)} requests got a different number of tokens than asked, e.g. {short[0]}")
+    stamps = list(times.values())
+    ttft = [t[0] - a for t, a in zip(stamps, arrivals)]
+    e2e = [t[-1] - a for t, a in zip(stamps, arrivals)]
+    itl = [float(d) for t in stamps for d in np.diff(t)]
+    total_out, total_in, n = int(out_lens.sum()), sum(len(p) for p in prompts), len(prompts)
+    result = {"engine": info, "elapsed_s": elapsed, "output_tokens": total_out, "prompt_tokens": total_in,
+              "output_tok_s": total_out / elapsed, "total_tok_s": (total_out + total_in) / elapsed,
+              "requests_per_s": n / elapsed, "engine_steps": steps,
+              "preemptions": engine.scheduler.num_preemptions - preempted_before,
+              "ttft_s": bc.percentiles(ttft), "itl_s": bc.percentiles(itl), "e2e_s": bc.percentiles(e2e)}
+    del engine
+    bc.release_memory()
+    return result
+
+
+def print_result(name: str, result: dict, device) -> None:
+    info = result["engine"]
+    mode = "eager" if info["num_graphs"] == 0 else f"{info['num_graphs']} CUDA graphs"
+    print(f"{name} on {device} ({mode}): {result['elapsed_s']:.1f} s, {result['output_tok_s']:.0f} output tok/s, "
+          f"{result['prompt_tokens'] / result['elapsed_s']:.0f} prompt tok/s, "
+          f"{result['total_tok_s']:.0f} total tok/s, {result['requests_per_s']:.2f} req/s, "
+          f"{result['engine_steps']} engine steps, {result['preemptions']} preemptions")
+    bc.print_table(["ms", "p50", "p90", "p99"],
+                   [[label] + [1e3 * v if v is not None else None for v in result[key].values()]
+                    for label, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))])
 
 
 def main(argv=None) -> int:
@@ -105,41 +189,25 @@ def main(argv=None) -> int:
     limit = bc.model_max_len(args.model)
     if limit is not None and needed > limit:
         raise SystemExit(f"prompt + output lengths need {needed} positions; {args.model} has {limit}")
-    t0 = time.perf_counter()
-    engine = LLMEngine.from_args(EngineArgs(
-        args.model, device=device, dtype=args.dtype, max_model_len=needed, max_num_seqs=args.max_num_seqs,
-        enforce_eager=args.enforce_eager, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-        async_scheduling=args.async_scheduling))
-    info = bc.engine_info(engine, time.perf_counter() - t0)
-    vocab = engine.hf_config.vocab_size
+    vocab = bc.model_vocab_size(args.model)
     prompts = [rng.integers(0, vocab, k).tolist() for k in prompt_lens]
-    warm_up(engine, vocab, args.prompt_len[0], rng)
+    adapters = request_adapters(args, rng, n) if args.adapters else []
     print(f"{n} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, "
-          + ("all at t=0" if args.request_rate is None else f"Poisson {args.request_rate}/s"))
-    preempted_before = engine.scheduler.num_preemptions
-    elapsed, times = run_loop(engine, prompts, out_lens, arrivals)
-    short = [rid for i, (rid, t) in enumerate(times.items()) if len(t) != out_lens[i]]
-    if short:
-        raise RuntimeError(f"{len(short)} requests got a different number of tokens than asked, e.g. {short[0]}")
-    stamps = list(times.values())
-    ttft = [t[0] - a for t, a in zip(stamps, arrivals)]
-    e2e = [t[-1] - a for t, a in zip(stamps, arrivals)]
-    itl = [float(d) for t in stamps for d in np.diff(t)]
-    total_out = int(out_lens.sum())
-    result = {"elapsed_s": elapsed, "output_tokens": total_out, "prompt_tokens": int(prompt_lens.sum()),
-              "output_tok_s": total_out / elapsed, "total_tok_s": (total_out + int(prompt_lens.sum())) / elapsed,
-              "requests_per_s": n / elapsed, "preemptions": engine.scheduler.num_preemptions - preempted_before,
-              "ttft_s": bc.percentiles(ttft), "itl_s": bc.percentiles(itl), "e2e_s": bc.percentiles(e2e)}
-    mode = "eager" if args.enforce_eager or info["num_graphs"] == 0 else f"{info['num_graphs']} CUDA graphs"
-    print(f"{args.model} on {device} ({mode}): {elapsed:.1f} s, {result['output_tok_s']:.0f} output tok/s, "
-          f"{result['total_tok_s']:.0f} total tok/s, {result['requests_per_s']:.2f} req/s, "
-          f"{result['preemptions']} preemptions")
-    bc.print_table(["ms", "p50", "p90", "p99"],
-                   [[name] + [1e3 * v if v is not None else None for v in result[key].values()]
-                    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))])
+          + ("all at t=0" if args.request_rate is None else f"Poisson {args.request_rate}/s")
+          + (f"; LoRA: {args.adapters} adapters ({args.adapter_dist}), rank {args.lora_rank}, "
+             f"{args.max_loras} GPU slots" if args.adapters else ""))
+    results = {"base": run_engine(args, device, False, prompts, out_lens, arrivals, adapters, rng)}
+    print_result(args.model, results["base"], device)
+    if args.adapters:
+        results["lora"] = run_engine(args, device, True, prompts, out_lens, arrivals, adapters, rng)
+        print_result(f"{args.model} + LoRA", results["lora"], device)
+        base, lora = results["base"], results["lora"]
+        print(f"LoRA / base: output tok/s {lora['output_tok_s'] / base['output_tok_s']:.3f}, total tok/s "
+              f"{lora['total_tok_s'] / base['total_tok_s']:.3f}, engine steps "
+              f"{lora['engine_steps'] / base['engine_steps']:.2f}x ({lora['engine_steps']} / {base['engine_steps']})")
     bc.write_json(args.out, "throughput.json", {"benchmark": "throughput", "args": vars(args),
-                                                "env": bc.environment(device), "engine": info, "result": result})
+                                                "env": bc.environment(device), "results": results})
     return 0
 
 
