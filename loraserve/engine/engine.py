@@ -49,7 +49,7 @@ class LLMEngine:
         runtime = None
         if config.lora is not None:
             runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name)
-            self.lora_manager = LoRAManager(config.lora, runtime)
+            self.lora_manager = LoRAManager(runtime)
         self.runner = ModelRunner(loaded.model, config, runtime)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora,

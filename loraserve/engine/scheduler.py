@@ -132,6 +132,8 @@ class Scheduler:
 
     def _starving_adapter(self, pinned: AbstractSet[str]) -> str | None:
         """The adapter of the oldest waiting request that has no slot and has waited max_wait_steps, or None."""
+        if not self.max_loras:
+            return None  # LoRA is off: no request names an adapter
         for seq in self.waiting:
             name = seq.lora_name
             if (name is not None and name not in pinned and name not in self._running_loras

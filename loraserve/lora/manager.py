@@ -28,14 +28,14 @@ LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, runtime: LoRARuntime):
-        self.config = config
+    def __init__(self, runtime: LoRARuntime):
+        self.config: LoRAConfig = runtime.config
         self.runtime = runtime
         self.paths: dict[str, str] = {}
         self.refcounts: Counter[str] = Counter()
         self._pinned: set[str] = set()
         self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
-        self._slots: list[str | None] = [None] * config.max_loras
+        self._slots: list[str | None] = [None] * self.config.max_loras
         self._slot_lru: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, oldest use first
         self._retired: dict[str, str] = {}  # name -> path: unregistered while requests were in flight
         self.num_loads = 0  # adapters read from disk since start

@@ -148,7 +148,7 @@ def _eos_ids(hf_config, tokenizer, path: str | None) -> list[int]:
 class ModelSource:
     """A model found and its config read, weights not loaded yet."""
 
-    spec: str | None  # what the user gave: None (the default model), synthetic:NAME, a .gguf file, an HF folder
+    model: str | None  # what the user gave: None (the default model), synthetic:NAME, a .gguf file, an HF folder
     hf_config: Any
     gguf_file: gguf_loader.GGUFModelFile | None = None  # the open GGUF file (its header read once)
 
@@ -162,21 +162,21 @@ class ModelSource:
 
     def load(self, device: torch.device, dtype: torch.dtype) -> LoadedModel:
         """Build the model on `device` in `dtype` and fill it; read the tokenizer."""
-        config, spec = self.hf_config, self.spec
+        config, model = self.hf_config, self.model
         net = build_empty_model(config, device, dtype)
-        if spec is not None and spec.startswith("synthetic:"):
+        if model is not None and model.startswith("synthetic:"):
             randomize_weights(net, seed=0)
-            return LoadedModel(net, config, None, spec, [])
+            return LoadedModel(net, config, None, model, [])
         if self.gguf_file is not None:
             load_weights(net, self.gguf_file.weights())
             path = self.gguf_file.path
             tokenizer = gguf_loader.load_gguf_tokenizer(path)
-            name = os.path.basename(path).split(".")[0] if spec is None else os.path.basename(path)[:-5]
+            name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
             return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, None))
-        load_weights(net, _iter_safetensors(_safetensors_files(spec)))
-        tokenizer = _load_tokenizer(spec)
-        return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(spec)),
-                           _eos_ids(config, tokenizer, spec))
+        load_weights(net, _iter_safetensors(_safetensors_files(model)))
+        tokenizer = _load_tokenizer(model)
+        return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(model)),
+                           _eos_ids(config, tokenizer, model))
 
 
 def open_model(model: str | None) -> ModelSource:
