@@ -183,7 +183,9 @@ def engine_info(engine, build_seconds: float) -> dict:
             "max_bucket": graphs.buckets[-1] if graphs else 0,
             "warmup_seconds": graphs.warmup_seconds if graphs else None,
             "capture_seconds": graphs.capture_seconds if graphs else None,
-            "graph_memory_bytes": graphs.graph_memory_bytes if graphs else None}
+            "graph_memory_bytes": graphs.graph_memory_bytes if graphs else None,
+            "lora_pool_bytes": engine.lora_manager.pool_bytes_total if engine.lora_manager else 0,
+            "lora_pool_pages": engine.lora_manager.pool.num_pages if engine.lora_manager else 0}
 
 
 # -- decode state without prefill --------------------------------------------------------------

@@ -61,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512, help="context length of every sequence")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--lora-gpu-memory", type=float, default=None,
+                   help="GiB of the adapter pool (default: the engine's); the kernels' cost must not depend on it")
+    p.add_argument("--fill-pool", type=int, default=0,
+                   help="load this many more rank-16 adapters into the pool before timing (they are not used)")
     p.add_argument("--capture-rounds", type=int, default=5,
                    help="capture every bucket again this many times per graph engine, the engines taking turns; "
                         "the capture-time check compares the medians (0: compare the start-up captures)")
@@ -99,12 +103,31 @@ def register_adapters(engine, keys: list[str], adapters: dict, seed: int) -> Non
         engine.lora_manager.register_adapter(name, adapters[name])
 
 
+def fill_pool(engine, count: int, adapters: dict, seed: int) -> None:
+    """Make `count` more rank-16 adapters resident in the pool (names of their own, weights of the timed sets'
+    rank-16 adapters), a step's worth (max_loras) at a time; raises if the pool can't hold them all."""
+    if not count:
+        return
+    manager = engine.lora_manager
+    weights = [a for a in adapters.values() if a.max_rank == RANK] or [
+        random_adapter(manager.runtime.spec, "fill", RANK, seed=seed)]
+    names = [f"fill-{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        manager.register_adapter(name, weights[i % len(weights)])
+    step = engine.config.lora.max_loras
+    for i in range(0, count, step):
+        manager.prepare(set(names[i:i + step]), set())
+    missing = set(names) - set(manager.resident_on_gpu)
+    if missing:
+        raise SystemExit(f"--fill-pool {count}: the pool holds only {count - len(missing)} of them; raise --lora-gpu-memory")
+
+
 def build_engine(args, model: str, mode: str, device, max_loras: int):
     return LLMEngine.from_args(EngineArgs(
         model, device=device, dtype=args.dtype, max_model_len=args.context + args.warmup + args.steps + 3,
         async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs,
         enforce_eager=mode.startswith("eager"), seed=args.seed, enable_lora=mode.endswith("+lora"),
-        max_loras=max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=max(16, max_loras)))
+        max_loras=max_loras, max_lora_rank=args.max_lora_rank, lora_gpu_memory=args.lora_gpu_memory))
 
 
 def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: dict) -> tuple[dict, list[dict], object]:
@@ -117,6 +140,8 @@ def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: di
     sets = args.adapter_sets if lora else ["base"]
     if lora:
         register_adapters(engine, sets, adapters, args.seed)
+        fill_pool(engine, args.fill_pool, adapters, args.seed)
+        info["lora_pool_used_bytes"] = engine.lora_manager.pool_bytes_used
     rows = []
     cases = [(s, b) for s in sets for b in args.batch_sizes]
     for key, batch in tqdm(cases, desc=f"{model} {mode}", unit="case", disable=None):

@@ -1,7 +1,7 @@
 """Benchmark of the LoRA shrink + expand kernels at Llama-3-8B shapes, against their floors.
 
 For each packed layer (qkv, o, gate_up, down), token count, number of active
-adapters (in a 16-slot buffer), popularity and rank set it times lora_apply
+adapters (16 adapters at max rank in a paged pool, pages scattered), popularity and rank set it times lora_apply
 (shrink + expand) inside a CUDA graph, over enough weight/input sets
 that the bytes do not stay in L2, and prints the time next to the bytes and
 FLOPs it must move and do, the floor (max of bytes / measured copy bandwidth
@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from loraserve.kernels.lora_expand import ExpandConfig, lora_expand
+from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink
 from loraserve.lora.metadata import LoRAMetaBuilder
@@ -104,11 +105,15 @@ class Layer:
         set_bytes = 2 * MAX_LORAS * rank_max * (self.num_slices * self.hidden + self.n_out)
         self.l2_bytes = l2_bytes
         count = max(1, min(64, mem_cap // set_bytes))
+        pages = MAX_LORAS * -(-rank_max // PAGE_RANK)
+        # pool pages: A [P, S*PAGE_RANK, in], B^T [P, PAGE_RANK, N]; adapter i's pages scattered by the table
         self.weights = [(
-            torch.randn(MAX_LORAS, self.num_slices * rank_max, self.hidden, device="cuda",
+            torch.randn(pages, self.num_slices * PAGE_RANK, self.hidden, device="cuda",
                         dtype=DTYPE) / math.sqrt(self.hidden),
-            torch.randn(MAX_LORAS, self.n_out, rank_max, device="cuda", dtype=DTYPE) * 0.1,
+            torch.randn(pages, PAGE_RANK, self.n_out, device="cuda", dtype=DTYPE) * 0.1,
         ) for _ in range(count)]
+        gen = torch.Generator().manual_seed(0)
+        self.page_table = torch.randperm(pages, generator=gen).view(MAX_LORAS, -1).to("cuda", torch.int32)
 
 
 def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
@@ -119,7 +124,7 @@ def run_case(layer, num_tokens, n, pop, rank_key, rng, reps, only_rank=None):
         ranks = [r if r == only_rank else 0 for r in ranks]
     slot_rank = torch.tensor(ranks, dtype=torch.int32, device="cuda")
     slots = slots_for(pop, num_tokens, n, rng)
-    meta = LoRAMetaBuilder(num_tokens, MAX_LORAS, "cuda").build(slots)
+    meta = LoRAMetaBuilder(num_tokens, MAX_LORAS, layer.page_table).build(slots)
 
     tok_rank = np.array(ranks)[slots]
     used = sorted({int(s) for s in slots if ranks[s] > 0})

@@ -8,7 +8,7 @@ requests/s, and p50/p90/p99 of time to first token (TTFT, from arrival),
 inter-token latency (ITL, gaps between a request's tokens) and end-to-end
 latency. A few short requests run first as a warm-up (kernel compilation).
 With --adapters N the same trace runs on the base engine and then on a LoRA
-engine (--max-loras GPU slots) whose requests each name one of N random
+engine (default pool and limits, or --max-loras / --lora-gpu-memory) whose requests each name one of N random
 adapters of rank --lora-rank on all 7 projections, drawn uniformly or with
 Zipf popularity (adapter i with probability proportional to 1/(i+1)); every
 name is its own adapter to the engine (its own cache entry and slot writes),
@@ -65,7 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--adapters", type=int, default=0, help="run a LoRA engine too, requests over N adapters")
     p.add_argument("--adapter-dist", choices=("uniform", "zipf"), default="uniform")
     p.add_argument("--lora-rank", type=int, default=16)
-    p.add_argument("--max-loras", type=int, default=8, help="GPU adapter slots of the LoRA engine")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="distinct adapters in one step of the LoRA engine (default: the engine's)")
+    p.add_argument("--lora-gpu-memory", type=float, default=None,
+                   help="GiB of the LoRA engine's adapter pool (default: the engine's)")
     p.add_argument("--prefill-only", action="store_true", help="one output token per request (prompt tok/s)")
     args = p.parse_args(argv)
     if args.prefill_only:
@@ -132,7 +135,7 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     """Build one engine, warm it up, replay the trace; the engine is freed on return."""
     needed = args.prompt_len[1] + args.output_len[1] + 1
     lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.lora_rank,
-                        max_cpu_loras=max(16, args.max_loras)) if lora else {}
+                        lora_gpu_memory=args.lora_gpu_memory) if lora else {}
     t0 = time.perf_counter()
     engine = LLMEngine.from_args(EngineArgs(
         args.model, device=device, dtype=args.dtype, max_model_len=needed, max_num_seqs=args.max_num_seqs,
@@ -196,7 +199,8 @@ def main(argv=None) -> int:
           f"{args.output_len[0]}-{args.output_len[1]} tokens, "
           + ("all at t=0" if args.request_rate is None else f"Poisson {args.request_rate}/s")
           + (f"; LoRA: {args.adapters} adapters ({args.adapter_dist}), rank {args.lora_rank}, "
-             f"{args.max_loras} GPU slots" if args.adapters else ""))
+             f"max_loras {args.max_loras or 'default'}, pool {args.lora_gpu_memory or 'default'} GiB"
+             if args.adapters else ""))
     results = {"base": run_engine(args, device, False, prompts, out_lens, arrivals, adapters, rng)}
     print_result(args.model, results["base"], device)
     if args.adapters:

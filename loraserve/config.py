@@ -17,6 +17,7 @@ _DTYPES = {
 }
 DEFAULT_MAX_MODEL_LEN = 8192  # when the user gives none and the model allows more
 CPU_STEP_TOKENS, CUDA_STEP_TOKENS = 2048, 8192  # default token budget of one step
+MAX_LORAS_PER_STEP = 256  # the default bound on distinct adapters in one step (when max_num_seqs is larger)
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -105,13 +106,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA limits: GPU slots (at most this many distinct adapters in one step), largest rank, CPU cache,
-    and how long a request may wait for a slot before one is freed for it."""
+    """Multi-LoRA limits. Capacity is bytes: the GPU adapter pool (`lora_gpu_memory`) holds as many adapters
+    as fit at their own ranks, the host cache (`max_cpu_lora_memory`) as many as fit in its budget;
+    `max_loras` only bounds how many distinct adapters one step mixes (vLLM's meaning)."""
 
-    max_loras: int = 4
+    max_loras: int = 256  # distinct adapters in one step
     max_lora_rank: int = 64
-    max_cpu_loras: int = 16
-    max_wait_steps: int = 32  # steps a request waits for a GPU slot before an adapter is drained for it
+    lora_gpu_memory: float | None = None  # GiB of GPU adapter pool; None: a share of the memory after the weights
+    max_cpu_lora_memory: float = 8.0  # GiB of adapters cached in host memory (pinned on CUDA)
+    max_cpu_loras: int | None = None  # and at most this many of them (vLLM's flag); None: the bytes alone decide
+    max_wait_steps: int = 32  # steps a request waits for its adapter before room is made for it
+    lora_root: str | None = None  # a folder of adapters served by name on first request
 
     def __post_init__(self) -> None:
         if self.max_wait_steps < 1:
@@ -120,8 +125,12 @@ class LoRAConfig:
             raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
         if self.max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be at least 1, got {self.max_lora_rank}")
-        if self.max_cpu_loras < self.max_loras:
-            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if self.lora_gpu_memory is not None and self.lora_gpu_memory <= 0:
+            raise ValueError(f"lora_gpu_memory must be positive (GiB), got {self.lora_gpu_memory}")
+        if self.max_cpu_lora_memory <= 0:
+            raise ValueError(f"max_cpu_lora_memory must be positive (GiB), got {self.max_cpu_lora_memory}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < 1:
+            raise ValueError(f"max_cpu_loras must be at least 1, got {self.max_cpu_loras}")
 
 
 @dataclass(frozen=True)
@@ -155,9 +164,12 @@ class EngineArgs:
     async_scheduling: bool = True
     seed: int = 0
     enable_lora: bool = False
-    max_loras: int = 4
+    max_loras: int | None = None  # None: max_num_seqs, at most MAX_LORAS_PER_STEP
     max_lora_rank: int = 64
-    max_cpu_loras: int = 16
+    lora_gpu_memory: float | None = None
+    max_cpu_lora_memory: float = 8.0
+    max_cpu_loras: int | None = None
+    lora_root: str | None = None
 
     def check(self) -> None:
         """Validate what does not depend on the model (before anything is read from disk)."""
@@ -200,4 +212,8 @@ class EngineArgs:
                            self.num_gpu_blocks_override)
 
     def _lora(self) -> LoRAConfig | None:
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
+        if not self.enable_lora:
+            return None
+        max_loras = self.max_loras if self.max_loras is not None else min(self.max_num_seqs, MAX_LORAS_PER_STEP)
+        return LoRAConfig(max_loras, self.max_lora_rank, self.lora_gpu_memory, self.max_cpu_lora_memory,
+                          self.max_cpu_loras, lora_root=self.lora_root)

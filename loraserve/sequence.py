@@ -3,6 +3,7 @@ inside the engine (tokens, progress, KV blocks, detokenizer offsets) and one sch
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 from loraserve.sampling_params import SamplingParams
@@ -38,6 +39,8 @@ class Sequence:
     sampling_params: SamplingParams
     arrival: int  # order of arrival: first come, first served
     lora_name: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when it first ran (its queue time ends)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)

@@ -151,11 +151,19 @@ class AsyncLLMEngine:
     # ---- asyncio side -------------------------------------------------------------
 
     async def add_requests(self, requests: Sequence[GenerationRequest]) -> OutputStream:
-        """Add a group of requests at once (all or none); errors of add_request are raised here."""
+        """Add a group of requests at once (all or none); errors of add_request are raised here.
+
+        Adapters the requests name (without a path) that are not registered yet are looked up in the
+        engine's lora root and read off the engine thread (as add_lora does) before the requests are added,
+        so that decoding does not stall while their files are read."""
         loop = asyncio.get_running_loop()
+        requests = list(requests)
         stream = OutputStream([r.request_id for r in requests], self._abort_later)
         try:
-            await self._call(lambda: self._add(list(requests), loop, stream))
+            unknown = await self._call(lambda: self._add(requests, loop, stream, defer_unknown_loras=True))
+            if unknown:
+                await self._add_root_loras(unknown)
+                await self._call(lambda: self._add(requests, loop, stream))
         except asyncio.CancelledError:
             stream.abort()
             raise
@@ -180,11 +188,30 @@ class AsyncLLMEngine:
             loaded = await asyncio.to_thread(self._engine.load_lora_weights, lora_request)
         await self._call(lambda: self._engine.add_lora(lora_request, pinned=pinned, loaded=loaded))
 
+    async def _add_root_loras(self, names: set[str]) -> None:
+        """Register adapters from the engine's lora root (none without one: add_request then answers)."""
+        for name in sorted(names):
+            path = await asyncio.to_thread(self._engine.lora_root_path, name)
+            if path is not None:
+                await self.add_lora(LoRARequest(name, path))
+
     async def remove_lora(self, name: str) -> None:
         await self._call(lambda: self._engine.remove_lora(name))
 
     async def list_loras(self) -> list[str]:
         return await self._call(self._engine.list_loras)
+
+    async def lora_residency(self) -> dict[str, tuple[str, bool]]:
+        """Every registered adapter -> (its folder, whether it is resident on the GPU now), read in one
+        engine-thread call."""
+        def read() -> dict[str, tuple[str, bool]]:
+            manager = self._engine.lora_manager
+            if manager is None:
+                return {}
+            on_gpu = set(self._engine.stats().loras_on_gpu)
+            return {name: (manager.paths[name], name in on_gpu) for name in self._engine.list_loras()}
+
+        return await self._call(read)
 
     async def stats(self) -> EngineStats:
         return await self._call(self._engine.stats)
@@ -263,12 +290,20 @@ class AsyncLLMEngine:
         except RuntimeError:  # the caller's loop is closed: nobody is listening any more
             self._abort([request_id])
 
-    def _add(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop,
-             stream: OutputStream) -> None:
+    def _add(self, requests: list[GenerationRequest], loop: asyncio.AbstractEventLoop, stream: OutputStream,
+             defer_unknown_loras: bool = False) -> set[str]:
+        """Add the requests (all or none). With defer_unknown_loras, add nothing and return the names of
+        unregistered adapters they ask for by name alone, if there are any."""
         if not self._accepting:
             raise EngineClosedError("the server is shutting down")
         if len(self._not_started) + len(requests) > self._max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self._max_waiting} requests); retry later")
+        if defer_unknown_loras:
+            named = {r.lora_request.name for r in requests
+                     if r.lora_request is not None and r.lora_request.path is None}
+            unknown = named - set(self._engine.list_loras()) if named else set()
+            if unknown:
+                return unknown
         added: list[str] = []
         try:
             for r in requests:
@@ -281,6 +316,7 @@ class AsyncLLMEngine:
         except Exception:
             self._abort(added)
             raise
+        return set()
 
     def _abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

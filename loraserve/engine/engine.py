@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 from loraserve.config import EngineArgs, EngineConfig
 from loraserve.engine.block_manager import BlockManager
@@ -23,7 +24,8 @@ from loraserve.errors import InvalidRequestError, PromptTooLongError, UnknownLoR
 from loraserve.lora.adapter import LoRAAdapterError
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.request import LoRARequest
-from loraserve.lora.runtime import LoRARuntime
+from loraserve.lora.resolver import resolve_adapter_name
+from loraserve.lora.runtime import LoRARuntime, pool_bytes
 from loraserve.models.loader import LoadedModel, open_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -48,12 +50,12 @@ class LLMEngine:
         self.lora_manager: LoRAManager | None = None
         runtime = None
         if config.lora is not None:
-            runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name)
+            runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name,
+                                  pool_bytes(config.lora, config.cache, config.model.device))
             self.lora_manager = LoRAManager(runtime)
         self.runner = ModelRunner(loaded.model, config, runtime)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora,
-                                   (lambda: self.lora_manager.pinned) if self.lora_manager else frozenset)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora, self.lora_manager)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
@@ -97,6 +99,13 @@ class LLMEngine:
     def list_loras(self) -> list[str]:
         return self.lora_manager.registered() if self.lora_manager else []
 
+    def lora_root_path(self, name: str) -> str | None:
+        """The checked folder `<lora_root>/<name>` of an adapter named by a request (loraserve.lora.resolver
+        says what is refused), or None when the engine has no lora_root. Reads no engine state, so it may
+        run on any thread."""
+        root = self.config.lora.lora_root if self.config.lora is not None else None
+        return resolve_adapter_name(name, root) if root is not None else None
+
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
@@ -111,9 +120,10 @@ class LLMEngine:
         if lora_request is not None:
             self._require_lora(f"request {request_id!r} asks for LoRA adapter {lora_request.name!r}, which")
             if lora_request.name not in self.lora_manager.paths:
-                if lora_request.path is None:
+                path = lora_request.path if lora_request.path is not None else self.lora_root_path(lora_request.name)
+                if path is None:
                     raise UnknownLoRAError(f"LoRA adapter {lora_request.name!r} is not loaded")
-                self.lora_manager.register(lora_request.name, lora_request.path)
+                self.lora_manager.register(lora_request.name, path)
             self.lora_manager.acquire(lora_request.name)
             lora_name = lora_request.name
         seq = Sequence(request_id, text, ids, params, next(self._arrivals), lora_name,
@@ -171,14 +181,24 @@ class LLMEngine:
         the way (a broken adapter)."""
         if out.is_empty:
             return []
-        lora_slots: dict[str, int] = {}
+        lora_ids: dict[str, int] = {}
         if self.lora_manager is not None:
             names = {s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None}
+            running = self.scheduler.running_loras()
             try:
-                lora_slots = self.lora_manager.prepare_slots(names, self.scheduler.running_loras())
+                lora_ids = self.lora_manager.prepare(names, running)
             except LoRAAdapterError as exc:
                 return self._fail_adapter(exc)
-        self._in_flight = self.runner.execute(out, lora_slots, in_flight)
+        self._in_flight = self.runner.execute(out, lora_ids, in_flight)
+        now = time.monotonic()
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
+                if seq.lora_name is not None:
+                    self.lora_manager.record_queue_time(seq.lora_name, now - seq.arrival_time)
+        if self.lora_manager is not None:  # copy waiting requests' adapters in while this step runs
+            self.lora_manager.prefetch(self.scheduler.waiting_loras(self.config.lora.max_loras), running | names)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for seq in self._in_flight.sequences:
@@ -248,9 +268,13 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_total=self.block_manager.num_blocks, kv_blocks_used=self.block_manager.num_used_blocks,
-            lora_slots_total=self.config.lora.max_loras if mgr else 0,
-            lora_slots_used=mgr.num_slots_used if mgr else 0,
+            lora_pool_bytes_total=mgr.pool_bytes_total if mgr else 0,
+            lora_pool_bytes_used=mgr.pool_bytes_used if mgr else 0,
+            lora_cpu_cache_bytes=mgr.cpu_cache_bytes if mgr else 0,
             loras_on_gpu=mgr.resident_on_gpu if mgr else [], loras_on_cpu=mgr.resident_on_cpu if mgr else [],
             lora_refcounts=dict(mgr.refcounts) if mgr else {},
             lora_loads=mgr.num_loads if mgr else 0,
-            lora_recent_load_seconds=list(mgr.recent_load_seconds) if mgr else [])
+            lora_gpu_loads=mgr.num_gpu_loads if mgr else 0,
+            lora_gpu_evictions=mgr.num_gpu_evictions if mgr else 0,
+            lora_recent_load_seconds=list(mgr.recent_load_seconds) if mgr else [],
+            lora_adapters={name: vars(c) for name, c in mgr.counters().items()} if mgr else {})

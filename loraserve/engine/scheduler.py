@@ -6,40 +6,75 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    by length is skipped). If KV blocks run out, the newest running
    sequence is preempted (blocks freed, recomputed later from the start).
 2. Then waiting sequences, first come first served, while budget, blocks and
-   sequence slots last. A step holds at most `max_loras` distinct adapters (the
-   GPU slots). A request whose adapter has no slot is passed over and never
-   blocks the requests behind it: base-model requests and requests of adapters
-   already running or pinned are admitted past it, and a freed slot goes to the
-   oldest waiting adapter.
-3. No starvation: once the oldest request without a slot has waited
-   `max_wait_steps` steps (LoRAConfig), no other new adapter may take a slot,
-   and if none is free, the running adapter with the fewest running requests
-   (pinned ones excepted) is drained: its new requests wait until its running
-   ones finish and its slot goes to the waiting adapter. So every request's
-   wait for a slot is bounded by about max_wait_steps plus the longest running
-   request of the drained adapter, whatever floods the other adapters.
+   sequence slots last. The running adapters (with the pinned ones) must fit
+   the GPU adapter pool together (their pages) and number at most `max_loras`
+   (distinct adapters in one step). A request whose adapter does not fit now is
+   passed over and never blocks the requests behind it: base-model requests and
+   requests of adapters already running or pinned are admitted past it, and
+   room that frees goes to the oldest waiting adapter.
+3. No starvation: once the oldest request whose adapter does not fit has
+   waited `max_wait_steps` steps (LoRAConfig), no other new adapter may start,
+   and while it still does not fit, the running adapter with the fewest running
+   requests (pinned ones excepted) is drained: its new requests wait until its
+   running ones finish and its room goes to the waiting adapter. So every
+   request's wait is bounded by about max_wait_steps plus the longest running
+   request of the drained adapters, whatever floods the other adapters.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
-from typing import AbstractSet, Callable
+from typing import AbstractSet, Protocol
 
 from loraserve.config import LoRAConfig, SchedulerConfig
 from loraserve.engine.block_manager import BlockManager
 from loraserve.sequence import ScheduledSequence, SchedulerOutput, Sequence, SequenceStatus
 
 
+class AdapterRoom(Protocol):
+    """What the scheduler asks about the GPU adapter pool (the LoRA manager answers)."""
+
+    @property
+    def pinned(self) -> AbstractSet[str]: ...  # adapters resident for good
+
+    @property
+    def num_pages(self) -> int: ...  # the pool's pages
+
+    def pages_of(self, name: str) -> int: ...  # the pages adapter `name` takes
+
+
+class _ActiveAdapters:
+    """The adapters one step holds (running and pinned) and their pool pages, kept up to date while an
+    admission pass adds adapters, so that `fits` costs O(1) per waiting request."""
+
+    def __init__(self, names: AbstractSet[str], room: AdapterRoom, max_loras: int):
+        self.names = set(names)
+        self.room, self.max_loras = room, max_loras
+        self.pages = sum(room.pages_of(n) for n in self.names)
+
+    def fits(self, name: str) -> bool:
+        """Whether `name` can be active beside the others: at most max_loras adapters, their pages in the pool."""
+        return name in self.names or (len(self.names) < self.max_loras
+                                      and self.pages + self.room.pages_of(name) <= self.room.num_pages)
+
+    def add(self, name: str) -> None:
+        if name not in self.names:
+            self.names.add(name)
+            self.pages += self.room.pages_of(name)
+
+
 class Scheduler:
-    """Queues and step building. `lora`: the adapter limits (None: LoRA off); `pinned_loras` names the
-    adapters that hold a GPU slot for good (asked at each step; the LoRA manager owns that set)."""
+    """Queues and step building. `lora`: the adapter limits (None: LoRA off); `room`: the GPU adapter
+    pool's size and the adapters' sizes in it (None: LoRA off)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, lora: LoRAConfig | None = None,
-                 pinned_loras: Callable[[], AbstractSet[str]] = frozenset):
+                 room: AdapterRoom | None = None):
+        if (lora is None) != (room is None):
+            raise ValueError("the scheduler needs both the LoRA limits and the adapter pool, or neither")
         self.config = config
         self.block_manager = block_manager
         self.max_loras = lora.max_loras if lora is not None else 0
         self.max_wait_steps = lora.max_wait_steps if lora is not None else 0
-        self._pinned_loras = pinned_loras
+        self._room = room
         self._step = 0  # schedule() calls so far
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -57,6 +92,16 @@ class Scheduler:
 
     def running_loras(self) -> set[str]:
         return set(self._running_loras)
+
+    def waiting_loras(self, limit: int) -> list[str]:
+        """The adapters of waiting requests not running, first waiting first, at most `limit` of them."""
+        names: dict[str, None] = {}
+        for seq in self.waiting:
+            if len(names) >= limit:
+                break
+            if seq.lora_name is not None and seq.lora_name not in self._running_loras:
+                names[seq.lora_name] = None
+        return list(names)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues (finished or aborted) and free its blocks."""
@@ -99,21 +144,24 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
         admitted: list[Sequence] = []
-        pinned = self._pinned_loras()
+        pinned = self._room.pinned if self._room is not None else frozenset()
+        active = _ActiveAdapters(self._running_loras.keys() | pinned, self._room, self.max_loras) \
+            if self._room is not None else None
         starving = self._starving_adapter(pinned)
-        draining = self._draining(pinned) if starving is not None else None
+        draining = self._draining(starving, pinned, active) if starving is not None else None
         for seq in self.waiting:
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             name = seq.lora_name
-            if name is not None and name not in pinned and not self._may_run(name, pinned, starving, draining):
-                continue  # no slot for its adapter now: the requests behind it go on
+            if name is not None and name not in pinned and not self._may_run(name, starving, draining, active):
+                continue  # its adapter does not fit now: the requests behind it go on
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
                 break
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
             seq.status = SequenceStatus.RUNNING
             if name is not None:
+                active.add(name)
                 self._running_loras[name] += 1
             admitted.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
@@ -122,16 +170,17 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
 
-    def _may_run(self, name: str, pinned: AbstractSet[str], starving: str | None, draining: str | None) -> bool:
+    def _may_run(self, name: str, starving: str | None, draining: str | None, active: _ActiveAdapters) -> bool:
         """Whether a request of the (unpinned) adapter `name` may be admitted now."""
         if name in self._running_loras:
-            return name != draining  # a draining adapter takes no new requests: its slot goes to the starving one
+            return name != draining  # a draining adapter takes no new requests: its room goes to the starving one
         if starving is not None and name != starving:
-            return False  # a slot that frees goes to the starving adapter first
-        return len(self._running_loras.keys() | pinned) < self.max_loras
+            return False  # room that frees goes to the starving adapter first
+        return active.fits(name)
 
     def _starving_adapter(self, pinned: AbstractSet[str]) -> str | None:
-        """The adapter of the oldest waiting request that has no slot and has waited max_wait_steps, or None."""
+        """The adapter of the oldest waiting request that is not running and has waited max_wait_steps, or
+        None."""
         if not self.max_loras:
             return None  # LoRA is off: no request names an adapter
         for seq in self.waiting:
@@ -141,10 +190,10 @@ class Scheduler:
                 return name
         return None
 
-    def _draining(self, pinned: AbstractSet[str]) -> str | None:
-        """With every slot taken, the running adapter that gives its slot up next: the one with the fewest
-        running requests (then by name), never a pinned one; None while a slot is free."""
-        if len(self._running_loras.keys() | pinned) < self.max_loras:
+    def _draining(self, starving: str, pinned: AbstractSet[str], active: _ActiveAdapters) -> str | None:
+        """While the starving adapter does not fit, the running adapter that gives its room up next: the one
+        with the fewest running requests (then by name), never a pinned one; None once it fits."""
+        if active.fits(starving):
             return None
         candidates = [name for name in self._running_loras if name not in pinned]
         return min(candidates, key=lambda name: (self._running_loras[name], name), default=None)

@@ -28,7 +28,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", nargs="*", default=None, help="stop strings")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--lora", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH", help="adapters to register")
-    p.add_argument("--use-lora", default=None, metavar="NAME", help="generate with this registered adapter")
+    p.add_argument("--lora-root", default=None, metavar="DIR",
+                   help="a folder of adapters: --use-lora may name any adapter folder in it")
+    p.add_argument("--use-lora", default=None, metavar="NAME",
+                   help="generate with this adapter (one given with --lora, or a folder in --lora-root)")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -38,11 +41,14 @@ def run_generate(args: argparse.Namespace) -> int:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     if not prompts:
         prompts = ["What is the capital of France?"]
-    if args.use_lora and args.use_lora not in {n for n, _ in args.lora}:
-        raise SystemExit(f"--use-lora {args.use_lora!r} is not one of the adapters given with --lora")
+    if args.use_lora and args.use_lora not in {n for n, _ in args.lora} and not args.lora_root:
+        raise SystemExit(f"--use-lora {args.use_lora!r} is not one of the adapters given with --lora "
+                         "(or give --lora-root DIR to take it from DIR)")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos)
-    llm = LLM(**dataclasses.asdict(engine_args(args, enable_lora=bool(args.lora))))
+    options = dataclasses.replace(engine_args(args, enable_lora=bool(args.lora or args.lora_root)),
+                                  lora_root=args.lora_root)
+    llm = LLM(**dataclasses.asdict(options))
     for name, path in args.lora:
         llm.add_lora(LoRARequest(name, path))
     lora = LoRARequest(args.use_lora) if args.use_lora else None

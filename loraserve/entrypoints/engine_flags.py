@@ -24,11 +24,16 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         default=_DEFAULTS.async_scheduling,
                         help="schedule and launch the next step before reading the current one's tokens")
     parser.add_argument("--max-loras", type=int, default=_DEFAULTS.max_loras,
-                        help="adapters in GPU slots at once (one step mixes at most this many)")
+                        help="most distinct adapters one step mixes (default: max-num-seqs, at most 256)")
     parser.add_argument("--max-lora-rank", type=int, default=_DEFAULTS.max_lora_rank,
                         help="largest adapter rank accepted")
+    parser.add_argument("--lora-gpu-memory", type=float, default=_DEFAULTS.lora_gpu_memory,
+                        help="GiB of GPU memory for the adapter pool; adapters take pages for their own rank "
+                             "(default: 19%% of the memory left after the weights, within gpu-memory-utilization)")
+    parser.add_argument("--max-cpu-lora-memory", type=float, default=_DEFAULTS.max_cpu_lora_memory,
+                        help="GiB of host memory caching adapters, least recently used out")
     parser.add_argument("--max-cpu-loras", type=int, default=_DEFAULTS.max_cpu_loras,
-                        help="adapters cached in CPU memory")
+                        help="most adapters cached in host memory (default: as many as fit in the bytes)")
 
 
 def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
@@ -37,4 +42,5 @@ def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                       enable_lora=enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                      lora_gpu_memory=args.lora_gpu_memory, max_cpu_lora_memory=args.max_cpu_lora_memory,
                       max_cpu_loras=args.max_cpu_loras)

@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraserve.engine.async_engine import EngineClosedError, EngineStepError, QueueFullError
 from loraserve.entrypoints.openai_protocol import APIError
 from loraserve.errors import LoRAConflictError, PromptTooLongError, UnknownLoRAError
+from loraserve.lora.resolver import LoRAPathOutsideRootError
 
 
 def api_error_from(exc: BaseException) -> APIError:
@@ -25,6 +26,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(404, message, code="model_not_found")
     if isinstance(exc, LoRAConflictError):
         return APIError(409, message, code="conflict")
+    if isinstance(exc, LoRAPathOutsideRootError):
+        return APIError(400, message, code="path_outside_lora_root")
     if isinstance(exc, PromptTooLongError):
         return APIError(400, message, code="context_length_exceeded")
     if isinstance(exc, QueueFullError):

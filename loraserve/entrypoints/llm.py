@@ -17,7 +17,9 @@ class LLM:
     """A model ready to generate; `model=None` loads the built-in default (SmolLM2-135M-Instruct).
 
     Extra keyword options are the other fields of loraserve.config.EngineArgs (enable_lora, max_loras,
-    max_lora_rank, max_cpu_loras, block_size, max_num_batched_tokens, gpu_memory_utilization, ...).
+    max_lora_rank, max_cpu_loras, lora_root, block_size, max_num_batched_tokens, gpu_memory_utilization, ...).
+    With `lora_root="/adapters"`, `LoRARequest("name")` for an adapter that is not registered loads the
+    folder `/adapters/name` on first use (names that lead out of the folder are refused).
     """
 
     def __init__(self, model: str | None = None, *, device=None, dtype=None, max_model_len: int | None = None,

@@ -1,7 +1,8 @@
 """Prometheus metrics of one server app, kept on a registry of its own (never the global one).
 
 Counters and latency histograms are updated as requests run; the engine's
-state (requests, KV blocks, adapter slots and residency, adapter references)
+state (requests, KV blocks, the adapter pool's and host cache's bytes,
+residency, per-adapter loads, evictions, load and queue seconds, references)
 is read from an EngineStats snapshot taken at each scrape, so adapters that are
 gone disappear from the labels.
 """
@@ -11,7 +12,7 @@ import time
 from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from loraserve.engine.stats import EngineStats
 from loraserve.outputs import RequestOutput
@@ -41,10 +42,29 @@ class _EngineStateCollector:
         yield _gauge("loraserve_kv_cache_blocks_used", "KV-cache blocks held by requests.", s.kv_blocks_used)
         yield _gauge("loraserve_kv_cache_usage_ratio", "Fraction of KV-cache blocks in use.",
                      s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
-        yield _gauge("loraserve_lora_slots_total", "GPU adapter slots.", s.lora_slots_total)
-        yield _gauge("loraserve_lora_slots_used", "GPU adapter slots holding an adapter.", s.lora_slots_used)
-        yield _gauge("loraserve_loras_on_gpu", "Adapters resident in GPU slots.", len(s.loras_on_gpu))
-        yield _gauge("loraserve_loras_on_cpu", "Adapters in the CPU cache.", len(s.loras_on_cpu))
+        yield _gauge("loraserve_lora_pool_bytes_total", "Bytes of the GPU adapter pool.", s.lora_pool_bytes_total)
+        yield _gauge("loraserve_lora_pool_bytes_used", "Bytes of the GPU adapter pool holding adapters.",
+                     s.lora_pool_bytes_used)
+        yield _gauge("loraserve_lora_cpu_cache_bytes", "Bytes of adapters cached in host memory.",
+                     s.lora_cpu_cache_bytes)
+        yield _gauge("loraserve_loras_on_gpu", "Adapters resident in the GPU pool.", len(s.loras_on_gpu))
+        yield _gauge("loraserve_loras_on_cpu", "Adapters in the host cache.", len(s.loras_on_cpu))
+        yield CounterMetricFamily("loraserve_lora_gpu_loads", "Adapters copied into the GPU pool.",
+                                  value=s.lora_gpu_loads)
+        yield CounterMetricFamily("loraserve_lora_gpu_evictions", "Adapters evicted from the GPU pool.",
+                                  value=s.lora_gpu_evictions)
+        per_adapter = {
+            key: CounterMetricFamily(f"loraserve_lora_adapter_{key}", doc, labels=["adapter"])
+            for key, doc in (("disk_loads", "Reads of each adapter from disk into the host cache."),
+                             ("gpu_loads", "Copies of each adapter into the GPU pool."),
+                             ("gpu_evictions", "Evictions of each adapter from the GPU pool."),
+                             ("load_seconds", "Seconds spent reading each adapter."),
+                             ("queue_seconds", "Seconds each adapter's requests waited before their first step."),
+                             ("requests_started", "Requests of each adapter that started running."))}
+        for name, counts in sorted(s.lora_adapters.items()):
+            for key, family in per_adapter.items():
+                family.add_metric([name], counts[key])
+        yield from per_adapter.values()
         resident = GaugeMetricFamily("loraserve_lora_resident", "1 for each adapter and where it is resident.",
                                      labels=["adapter", "location"])
         for location, names in (("gpu", s.loras_on_gpu), ("cpu", s.loras_on_cpu)):

@@ -6,10 +6,12 @@ finish, stops the engine thread and returns.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 
+from loraserve.config import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.engine.engine import LLMEngine
 from loraserve.entrypoints.engine_flags import add_engine_flags, engine_args
@@ -38,14 +40,24 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=1024,
                         help="requests that may wait for their first token before new ones get 503")
     parser.add_argument("--enable-lora", action="store_true",
-                        help="serve adapters (implied by --lora-modules and --enable-runtime-lora-updates)")
+                        help="serve adapters (implied by --lora-modules, --lora-root and "
+                             "--enable-runtime-lora-updates)")
     parser.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH",
                         help="adapters to register at start")
     parser.add_argument("--enable-runtime-lora-updates", action="store_true",
                         help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
     parser.add_argument("--lora-root", action="append", default=[], metavar="DIR",
-                        help="runtime-loaded adapter paths must resolve inside DIR (repeatable)")
+                        help="a folder of adapters: a request whose model names a folder in the first DIR is "
+                             "served from it without loading it first; runtime-loaded adapter paths must "
+                             "resolve inside a DIR (repeatable)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def serve_engine_args(args: argparse.Namespace) -> EngineArgs:
+    """The engine options of parsed `loraserve serve` flags: LoRA is on with any adapter flag, and requests
+    may name the adapter folders of the first --lora-root."""
+    enable_lora = bool(args.enable_lora or args.lora_modules or args.lora_root or args.enable_runtime_lora_updates)
+    return dataclasses.replace(engine_args(args, enable_lora), lora_root=args.lora_root[0] if args.lora_root else None)
 
 
 def run_server(args: argparse.Namespace) -> None:
@@ -57,8 +69,7 @@ def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.enable_runtime_lora_updates and not args.lora_root:
         raise SystemExit("--enable-runtime-lora-updates needs --lora-root DIR")
-    enable_lora = bool(args.enable_lora or args.lora_modules or args.enable_runtime_lora_updates)
-    engine = LLMEngine.from_args(engine_args(args, enable_lora))
+    engine = LLMEngine.from_args(serve_engine_args(args))
     modules = tuple((name, os.path.realpath(path)) for name, path in args.lora_modules)
     for name, path in modules:
         try:

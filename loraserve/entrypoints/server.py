@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,7 +24,9 @@ from loraserve.entrypoints.http_errors import APIKeyMiddleware, api_error_from, 
 from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, UNKNOWN_MODEL_LABEL, ServerMetrics, TokenTimer
 from loraserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                    LoadLoRAAdapterRequest, ResponseBuilder, UnloadLoRAAdapterRequest)
+from loraserve.errors import InvalidRequestError
 from loraserve.lora.request import LoRARequest
+from loraserve.lora.resolver import LoRAPathOutsideRootError, resolve_adapter_path
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,6 @@ class ServerSettings:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload)}\n\n"
-
-
-def _inside(path: str, root: str) -> bool:
-    return os.path.commonpath([path, root]) == root
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -79,7 +76,7 @@ class _OpenAIServer:
         self.adapter_paths = dict(settings.lora_modules)
         self.metrics = ServerMetrics()
         self.created = int(time.time())
-        self._lora_roots = tuple(os.path.realpath(r) for r in settings.lora_roots)
+        self._lora_roots = settings.lora_roots
         tokenizer = engine.tokenizer  # None for models served by token ids only
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid]) if tokenizer is not None else f"<{tid}>")
@@ -183,45 +180,28 @@ class _OpenAIServer:
 
     # ---- models and adapters ----------------------------------------------------------
 
-    def _model_card(self, name: str, parent: str | None) -> dict:
-        root = self.adapter_paths.get(name, name) if parent else name
+    def _model_card(self, name: str, root: str) -> dict:
         return {"id": name, "object": "model", "created": self.created, "owned_by": "loraserve",
-                "root": root, "parent": parent, "max_model_len": self.engine.max_model_len}
+                "root": root, "parent": None, "max_model_len": self.engine.max_model_len}
+
+    def _adapter_card(self, name: str, path: str, on_gpu: bool) -> dict:
+        """An adapter's card: its folder as `root`, the base model as `parent`, and whether its weights
+        are resident on the GPU now (`resident_on_gpu`; false: they are copied in on its next use)."""
+        return {**self._model_card(name, path), "parent": self.model_names[0], "resident_on_gpu": on_gpu}
 
     async def list_models(self) -> dict:
         base = self.model_names[0]
-        loras = await self.engine.list_loras()
-        return {"object": "list", "data": [self._model_card(base, None)] + [self._model_card(n, base) for n in loras]}
+        loras = await self.engine.lora_residency()
+        return {"object": "list", "data": [self._model_card(base, base)]
+                + [self._adapter_card(name, path, on_gpu) for name, (path, on_gpu) in loras.items()]}
 
     async def get_model(self, model_id: str) -> dict:
         if model_id in self.model_names:
-            return self._model_card(model_id, None)
-        if model_id in await self.engine.list_loras():
-            return self._model_card(model_id, self.model_names[0])
+            return self._model_card(model_id, model_id)
+        loras = await self.engine.lora_residency()
+        if model_id in loras:
+            return self._adapter_card(model_id, *loras[model_id])
         raise APIError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
-
-    def _resolve_lora_path(self, path: str) -> str:
-        """The real path of an adapter folder inside a --lora-root, with safetensors weights.
-
-        Relative paths start at the first root. Every entry of the folder must resolve inside the root too.
-        """
-        if not path:
-            raise APIError(400, "lora_path must not be empty", param="lora_path")
-        real = os.path.realpath(path if os.path.isabs(path) else os.path.join(self._lora_roots[0], path))
-        root = next((r for r in self._lora_roots if _inside(real, r)), None)
-        if root is None:
-            raise APIError(400, f"lora_path {path!r} resolves outside every --lora-root", param="lora_path",
-                           code="path_outside_lora_root")
-        if not os.path.isdir(real):
-            raise APIError(400, f"lora_path {path!r} is not a directory", param="lora_path")
-        for entry in os.scandir(real):
-            if not _inside(os.path.realpath(entry.path), root):
-                raise APIError(400, f"{entry.name!r} in lora_path {path!r} links outside --lora-root",
-                               param="lora_path", code="path_outside_lora_root")
-        if not os.path.isfile(os.path.join(real, "adapter_model.safetensors")):
-            raise APIError(400, f"lora_path {path!r} has no adapter_model.safetensors (pickled weights such as "
-                           "adapter_model.bin are not loaded at runtime)", param="lora_path")
-        return real
 
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> dict:
         body.check_unknown_fields()
@@ -230,7 +210,12 @@ class _OpenAIServer:
             raise APIError(400, "lora_name must not be empty", param="lora_name")
         if name in self.model_names:
             raise APIError(409, f"lora_name {name!r} is the base model's name", param="lora_name", code="conflict")
-        path = self._resolve_lora_path(body.lora_path)
+        try:
+            path = resolve_adapter_path(body.lora_path, self._lora_roots)
+        except LoRAPathOutsideRootError as exc:
+            raise APIError(400, str(exc), param="lora_path", code="path_outside_lora_root") from exc
+        except InvalidRequestError as exc:
+            raise APIError(400, str(exc), param="lora_path") from exc
         await self.engine.add_lora(LoRARequest(name, path))
         self.adapter_paths[name] = path
         return {"object": "lora_adapter", "id": name, "root": path, "status": "loaded"}

@@ -1,19 +1,22 @@
-"""LoRA expand: y[t, n] += inter[t, s*R + :r] . B[slot_t, n, :r] for the slice s holding column n.
+"""LoRA expand: y[t, n] += inter[t, s*R + :r] . B_s[adapter_t, n, :r] for the slice s holding column n.
 
 One launch covers every slice of a packed layer (q/k/v, gate/up) and every
-slot. The grid is static: groups of col_tiles column tiles of the packed
-output times the same flat token-tile axis as the shrink (cdiv(T, BLOCK_M) +
-min(L, T)), mapped to (slot, tile within slot) in the kernel. Programs past the last tile return
-at once; the K loop runs over the slot's own rank only (in steps of BLOCK_R),
-so a rank-8 adapter in a rank-64 buffer reads and computes rank 8. A column
-tile that straddles a slice boundary handles each slice under a mask. The sum
-is added into y in place (y may be a column range of a larger tensor); rows of
-tokens without a slot are never touched.
+adapter of a step. B's rank rows live in pool pages (lora_meta: each page row
+is one rank row of B^T over the packed output, read contiguously along the
+columns). The grid is static: groups of col_tiles column tiles of the packed
+output times the same token-tile axis as the shrink (token_programs: its
+programs take tiles in turn, each tile's (slot, tile within slot) read from
+the step's tile map); neither the pool's size nor max_loras grows it. Programs past the last tile return at once; the K loop runs
+over the adapter's own rank only (in steps of BLOCK_R), so a rank-8 adapter
+reads and computes rank 8 whatever max_lora_rank is. A column tile that
+straddles a slice boundary handles each slice under a mask. The sum is added
+into y in place (y may be a column range of a larger tensor); rows of tokens
+without a slot are never touched.
 
 With overwrite=True the kernel writes y = product instead, without reading y:
-the token-tile axis then also covers the rows of slots of rank 0 and of tokens
-without a slot (one more group, the base tokens at the end of the sorted ids),
-which get zeros. That fills a LoRA delta with no memset before it.
+the token-tile axis then also covers the rows of adapters of rank 0 and of
+tokens without a slot (one more group, slot L, the base tokens at the end of
+the sorted ids), which get zeros. That fills a LoRA delta with no memset before it.
 
 The product is rounded to y's dtype before the add: y = round(y + round(product)), what
 PEFT's separately computed LoRA output gives, and what adding a rounded delta later gives.
@@ -26,8 +29,9 @@ import triton
 import triton.language as tl
 
 from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, pdl_launch
-from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_shrink import check_meta, dot_precision, loras_p2, slot_tile
+from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
+from loraserve.kernels.lora_shrink import (check_meta, check_pages, dot_precision, slot_of_tile, slot_work,
+                                           token_programs)
 
 # Token counts up to this use the decode-shaped expand (16-token tiles).
 EXPAND_DECODE_MAX_TOKENS = 64
@@ -56,16 +60,12 @@ def expand_config(num_tokens: int) -> ExpandConfig:
 
 
 @triton.jit
-def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                        stride_ir, stride_br, SLICE_OFFSETS: tl.constexpr,
+def _add_slice_products(acc, inter_rows, b_ptr, page_row, tok_ok, cols, col0, rank, rank_max,
+                        stride_ir, stride_bp, stride_br, stride_bn, SLICE_OFFSETS: tl.constexpr,
                         NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, RANK_ALIGN: tl.constexpr):
-    """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice.
-
-    The caller guarantees rank % RANK_ALIGN == 0. Writing the rank mask's bound
-    as a multiple of RANK_ALIGN (8) lets the compiler see that the mask covers
-    whole 16-byte vectors, so B and inter are read with vector loads.
-    """
+                        PRECISION: tl.constexpr, PAGE: tl.constexpr):
+    """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice; B's rank row r
+    is row r % PAGE of page page_row[r // PAGE]."""
     for s in tl.static_range(NUM_SLICES):
         lo = SLICE_OFFSETS[s]
         hi = SLICE_OFFSETS[s + 1]
@@ -73,8 +73,10 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
             col_ok = (cols >= lo) & (cols < hi)
             for r0 in range(0, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
-                r_ok = offs_r < (rank // RANK_ALIGN) * RANK_ALIGN
-                b = tl.load(b_cols + offs_r[:, None] * stride_br,
+                r_ok = offs_r < rank
+                page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
+                b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+                b = tl.load(b_rows + cols[None, :] * stride_bn,
                             mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
                 a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
                             mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
@@ -82,104 +84,75 @@ def _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_
     return acc
 
 
-@triton.jit
-def _row_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras, num_tokens,
-              LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Map a flat token-tile index to (group, tile within group, rank, count, start) over every row:
-    groups 0..L-1 are the slots (whatever their rank), group L the tokens without a slot (sorted after
-    every slot's). group > L past the last tile. One memory round trip, as slot_tile."""
-    slots = tl.arange(0, LORAS_P2)
-    ok = slots < num_loras
-    count = tl.load(count_ptr + slots, mask=ok, other=0)  # count: [LORAS_P2]
-    rank = tl.load(rank_ptr + slots, mask=ok, other=0)
-    start = tl.load(start_ptr + slots, mask=ok, other=0)
-    tiles = (count + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(tiles, 0)
-    slot_tiles = tl.sum(tiles, 0)
-    base_count = num_tokens - tl.sum(count, 0)
-    is_base = tile >= slot_tiles  # the base tokens' group, or past the end
-    base_tile = tile - slot_tiles
-    slot = tl.sum((ends <= tile).to(tl.int32), 0)
-    mine = slots == slot
-    group = tl.where(is_base, tl.where(base_tile * BLOCK_M < base_count, num_loras, num_loras + 1), slot)
-    m_tile = tl.where(is_base, base_tile, tile - tl.sum(tl.where(mine, ends - tiles, 0), 0))
-    return (group, m_tile, tl.where(is_base, 0, tl.sum(tl.where(mine, rank, 0), 0)),
-            tl.where(is_base, base_count, tl.sum(tl.where(mine, count, 0), 0)),
-            tl.where(is_base, num_tokens - base_count, tl.sum(tl.where(mine, start, 0), 0)))
-
-
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _expand_kernel(
-    inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, y_ptr,
-    num_tokens, n_out, rank_max, num_loras,
-    stride_it, stride_ir, stride_bl, stride_bn, stride_br, stride_yt, stride_yn,
+    inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, y_ptr,
+    num_tokens, n_out, rank_max, num_loras, num_tiles,
+    stride_it, stride_ir, stride_bp, stride_br, stride_bn, stride_pa, stride_yt, stride_yn,
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
-    LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PAGE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    # With PDL, programs without a tile return before gdc_wait. That is safe: a program with a tile
-    # waits for the whole shrink grid, and the expand has a program with a slot tile exactly when the
-    # shrink has one (a slot with tokens and rank > 0), so whenever the shrink does anything the
-    # expand's completion implies the shrink's (what the next shrink, reusing the tile counters, needs).
-    if OVERWRITE:
-        slot, m_tile, rank, count, start = _row_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
-                                                     num_loras, num_tokens, LORAS_P2, BLOCK_M)
-        if slot > num_loras:
-            return
-    else:
-        slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
-                                                     num_loras, LORAS_P2, BLOCK_M)
-        if slot >= num_loras:
-            return
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-    tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-    inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
-    y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bl
-    for j in range(COL_TILES):
-        col0 = (tl.program_id(0) * COL_TILES + j) * BLOCK_N
-        cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
-        # y is read before the products so that its load overlaps theirs
-        mask = tok_ok[:, None] & (cols < n_out)[None, :]
-        if OVERWRITE:
-            old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
-        else:
-            old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
-        if PDL:  # launched early beside the shrink: wait for its intermediate (y was ready before it)
-            tl.extra.cuda.gdc_wait()
-        b_cols = b_slot + cols[None, :] * stride_bn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if rank % 8 == 0:
-            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                                      stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                      BLOCK_R, PRECISION, 8)
-        else:
-            acc = _add_slice_products(acc, inter_rows, b_cols, tok_ok, cols, col0, rank, rank_max,
-                                      stride_ir, stride_br, SLICE_OFFSETS, NUM_SLICES, BLOCK_N,
-                                      BLOCK_R, PRECISION, 1)
-        product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
-        tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
+    # With PDL, programs without work end before gdc_wait. That is safe: a program with work waits for
+    # the whole shrink grid, and the expand has work on every tile where the shrink has some (an
+    # adapter's tokens of rank > 0), so whenever the shrink does anything the expand's completion
+    # implies the shrink's (what the next shrink, reusing the tile counters, needs).
+    # The program's token tiles: tile, tile + G, ... (G programs on this axis) up to the first past the last
+    # (and without overwrite, up to the base tokens' tiles, which come after every adapter's).
+    tile = tl.program_id(1)
+    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
+    while (slot >= 0) & (OVERWRITE | (slot < num_loras)):
+        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(1), map_ptr, num_tiles)  # its load overlaps
+        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
+        if OVERWRITE | (rank > 0):  # else an adapter that does not target this layer: rows left as they are
+            offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+            tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+            inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
+            y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
+            page_row = page_ptr + adapter.to(tl.int64) * stride_pa
+            for j in range(COL_TILES):
+                col0 = (tl.program_id(0) * COL_TILES + j) * BLOCK_N
+                cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+                # y is read before the products so that its load overlaps theirs
+                mask = tok_ok[:, None] & (cols < n_out)[None, :]
+                if OVERWRITE:
+                    old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+                else:
+                    old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+                if PDL:  # launched early beside the shrink: wait for its intermediate (y was ready before it)
+                    tl.extra.cuda.gdc_wait()
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                acc = _add_slice_products(acc, inter_rows, b_ptr, page_row, tok_ok, cols, col0, rank, rank_max,
+                                          stride_ir, stride_bp, stride_br, stride_bn, SLICE_OFFSETS, NUM_SLICES,
+                                          BLOCK_N, BLOCK_R, PRECISION, PAGE)
+                product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
+                tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype),
+                         mask=mask)
+        tile += tl.num_programs(1)
+        slot, m_tile = next_slot, next_m_tile
 
 
 _expand_launch = CachedLauncher(_expand_kernel)
 
 
 def expand_grid(cfg: ExpandConfig, num_tokens: int, n_out: int, num_loras: int, overwrite: bool) -> tuple[int, int]:
-    """(column-tile groups, token tiles): cdiv(T, BM) + one partial tile per group (min(L, T) slots,
-    and with overwrite the base group)."""
+    """(column-tile groups, token-tile programs): as the shrink's token axis (token_programs), with
+    overwrite one more for the base group's partial tile."""
     return (cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles),
-            cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens) + int(overwrite))
+            token_programs(num_tokens, cfg.block_m, num_loras) + int(overwrite))
 
 
-def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
+def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor,
                 meta: LoRAMeta, slice_offsets: tuple[int, ...], y: torch.Tensor,
                 config: ExpandConfig | None = None, overwrite: bool = False, after_shrink: bool = False,
                 bind: bool = False) -> BoundLaunch | None:
-    """y: [T, N] += inter: [T, S*R] float32 times each token's slot's B: [L, N, R].
+    """y: [T, N] += inter: [T, S*R] float32 times each token's adapter's B, from the pool pages
+    lora_b: [P, PAGE_RANK, N] (lora_meta), lora_rank: [A] int32 each adapter id's rank in this layer.
 
     overwrite: y = the product instead (every row written, zeros for tokens without a slot or with a
-    rank-0 slot; y is not read).
+    rank-0 adapter; y is not read).
 
     y has B's dtype, or float32. With overwrite, y is a separate LoRA delta that a later kernel adds to
     the base output. The product is rounded to y's dtype before it is added.
@@ -187,7 +160,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     after_shrink: the kernel launched last on this stream is the lora_shrink that wrote inter. On
     Hopper the expand then launches early (programmatic dependent launch): it finds its tokens and
     loads y while the shrink finishes, and waits for it only before reading inter. Leave it False otherwise: the
-    slot ranks and metadata are read before that wait.
+    ranks and metadata are read before that wait.
 
     slice_offsets (S+1 host ints, from 0 to N) give each slice's columns.
     Rows of tokens without a slot are untouched. meta must have been built
@@ -200,33 +173,36 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tens
     scratch), as the bound launch keeps them.
     """
     num_tokens, n_out = y.shape
-    num_loras, b_rows, rank_max = lora_b.shape
+    _, page_rows, b_cols = lora_b.shape
     offsets = tuple(int(o) for o in slice_offsets)
     num_slices = len(offsets) - 1
     if num_slices < 1 or offsets[0] != 0 or offsets[-1] != n_out or \
             any(a > b for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"slice_offsets {offsets} must rise from 0 to N={n_out}")
-    if b_rows != n_out:
-        raise ValueError(f"lora_b has {b_rows} output rows but y has {n_out} columns")
-    if inter.shape != (num_tokens, num_slices * rank_max) or inter.dtype != torch.float32:
-        raise ValueError(f"inter must be [{num_tokens}, {num_slices * rank_max}] float32, "
+    if b_cols != n_out or page_rows != PAGE_RANK:
+        raise ValueError(f"lora_b's pages are [{page_rows}, {b_cols}], not [{PAGE_RANK}, N={n_out}]")
+    if inter.dim() != 2 or inter.shape[0] != num_tokens or inter.shape[1] % num_slices \
+            or inter.dtype != torch.float32:
+        raise ValueError(f"inter must be [{num_tokens}, S*R] float32 with S={num_slices}, "
                          f"got {list(inter.shape)} {inter.dtype}")
     if y.dtype not in (lora_b.dtype, torch.float32):
         raise ValueError(f"y is {y.dtype} but lora_b is {lora_b.dtype} (y may also be float32)")
-    check_meta(meta, slot_rank, num_tokens, num_loras)
+    num_loras = check_meta(meta, lora_rank, num_tokens)
+    rank_max = inter.shape[1] // num_slices
+    check_pages(meta, rank_max)
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
     grid = expand_grid(cfg, num_tokens, n_out, num_loras, overwrite)
     launch = functools.partial(_expand_launch.call_and_bind, variable=("num_tokens",)) if bind else _expand_launch
     return launch(grid,
-        inter, lora_b, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, y,
-        num_tokens, n_out, rank_max, num_loras,
+        inter, lora_b, lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter,
+        meta.tile_map(cfg.block_m), meta.page_table, y,
+        num_tokens, n_out, rank_max, num_loras, meta.tile_map(cfg.block_m).shape[0],
         inter.stride(0), inter.stride(1),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), y.stride(0), y.stride(1),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), meta.page_table.stride(0), y.stride(0), y.stride(1),
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
-        LORAS_P2=loras_p2(num_loras),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
-        PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite,
+        PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )

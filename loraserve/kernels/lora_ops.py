@@ -21,7 +21,7 @@ import torch
 
 from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
+from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref, rank_max
 from loraserve.kernels.lora_shrink import lora_shrink
 
 
@@ -30,27 +30,28 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
-    """y: [T, N] += LoRA(x: [T, in]) per token's slot; lora_a: [L, S*R, in], lora_b: [L, N, R].
+               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+    """y: [T, N] += LoRA(x: [T, in]) per token's adapter; pool pages lora_a: [P, S*PAGE_RANK, in],
+    lora_b: [P, PAGE_RANK, N]; lora_rank: [A] (kernels/lora_meta.py).
 
     y has the weights' dtype (or is float32). The product is rounded to y's dtype before it is added
     (PEFT's rounding).
     """
     if not _use_triton(x):
-        lora_apply_ref(x, y, lora_a, lora_b, slot_rank, meta, slice_offsets)
+        lora_apply_ref(x, y, lora_a, lora_b, lora_rank, meta, slice_offsets)
         return
     num_slices = len(slice_offsets) - 1
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
-    inter = torch.empty(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-    lora_shrink(x, lora_a, slot_rank, meta, num_slices, inter)
-    lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, y, after_shrink=True)
+    inter = torch.empty(x.shape[0], num_slices * rank_max(meta), dtype=torch.float32, device=x.device)
+    lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
+    lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=True)
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+                   lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
     """Same as lora_apply through the plain-torch reference (host sync; not for graphs)."""
     num_slices = len(slice_offsets) - 1
     if num_slices < 1:
         raise ValueError(f"slice_offsets {tuple(slice_offsets)} name no slice")
-    inter = lora_shrink_ref(x, lora_a, slot_rank, meta.token_slots, num_slices)
-    lora_expand_ref(inter, lora_b, slot_rank, meta.token_slots, slice_offsets, y)
+    inter = lora_shrink_ref(x, lora_a, lora_rank, meta, num_slices)
+    lora_expand_ref(inter, lora_b, lora_rank, meta, slice_offsets, y)

@@ -1,63 +1,87 @@
-"""Plain-torch LoRA shrink/expand over the static slot storage.
+"""Plain-torch LoRA shrink/expand over the paged adapter pool.
 
 The oracle for the Triton kernels and the engine's CPU path. It loops over the
-slots present on the host (a host sync: never use it inside a CUDA graph) and
-computes in float32, counting only the first slot_rank[slot] ranks.
+adapters present on the host (a host sync: never use it inside a CUDA graph),
+gathers each one's rank rows from its pages and computes in float32, counting
+only the first lora_rank[adapter] ranks.
 
-Storage (loraserve.lora.layers.LoRALinear), for a packed layer of S slices:
-  lora_a: [L, S*R, in]   rows s*R .. s*R+R-1 are slice s's A
-  lora_b: [L, N, R]      rows slice_offsets[s] .. slice_offsets[s+1]-1 are slice s's B
-  slot_rank: [L] int32   rank of the adapter in each slot, 0 = empty
+Storage (kernels/lora_meta.py), for a packed layer of S slices and pages of PAGE_RANK rank rows:
+  lora_a: [P, S*PAGE_RANK, in]   page rows s*PAGE_RANK + j: rank row j (of that page) of slice s's A
+  lora_b: [P, PAGE_RANK, N]      page row j: rank row j of B^T; columns slice_offsets[s]: of slice s
+  lora_rank: [A] int32           the rank of each adapter id in this layer, 0 = none
+  meta.page_table: [A, max_pages] the page of each adapter id's rank rows r // PAGE_RANK
+The intermediate is [T, S*R] with R = max_pages * PAGE_RANK.
 """
 import torch
 
+from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 
-def _slot_rows(token_slots: torch.Tensor, num_tokens: int, slot_rank: torch.Tensor):
-    """Yield (slot, rank, row indices) for every slot with tokens and rank > 0."""
-    slots = token_slots[:num_tokens].to("cpu", torch.int64)  # slots: [T]
-    ranks = slot_rank.to("cpu", torch.int64)
+
+def rank_max(meta: LoRAMeta) -> int:
+    """R: the rank rows per slice of the intermediate [T, S*R] (every rank the page table can hold)."""
+    return meta.page_table.shape[1] * PAGE_RANK
+
+
+def _adapter_rows(meta: LoRAMeta, num_tokens: int, lora_rank: torch.Tensor):
+    """Yield (adapter id, rank, pages, row indices) for every adapter with tokens and rank > 0."""
+    slots = meta.token_slots[:num_tokens].to("cpu", torch.int64)  # slots: [T]
+    adapters = meta.slot_adapter.to("cpu", torch.int64)
+    ranks = lora_rank.to("cpu", torch.int64)
+    table = meta.page_table.to("cpu", torch.int64)
     for slot in torch.unique(slots).tolist():
-        if slot < 0 or ranks[slot] == 0:
+        if slot < 0:
             continue
-        rows = (slots == slot).nonzero().squeeze(1).to(token_slots.device)
-        yield slot, int(ranks[slot]), rows
+        adapter = int(adapters[slot])
+        rank = int(ranks[adapter]) if adapter >= 0 else 0
+        if rank == 0:
+            continue
+        pages = table[adapter, :-(-rank // PAGE_RANK)].to(meta.token_slots.device)
+        rows = (slots == slot).nonzero().squeeze(1).to(meta.token_slots.device)
+        yield adapter, rank, pages, rows
 
 
-def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
-                    token_slots: torch.Tensor, num_slices: int) -> torch.Tensor:
-    """Return inter: [T, S*R] float32 with inter[t, s*R + r] = x[t] . A[slot_t, s*R + r].
+def gather_a(lora_a: torch.Tensor, pages: torch.Tensor, num_slices: int, rank: int) -> torch.Tensor:
+    """One adapter's A from its pages: [S, rank, in]."""
+    a = lora_a[pages].view(len(pages), num_slices, PAGE_RANK, -1)  # a: [pages, S, PAGE_RANK, in]
+    return a.transpose(0, 1).reshape(num_slices, len(pages) * PAGE_RANK, -1)[:, :rank]
 
-    Columns r >= slot_rank[slot_t] and rows of tokens without a slot are zero.
+
+def gather_b(lora_b: torch.Tensor, pages: torch.Tensor, rank: int) -> torch.Tensor:
+    """One adapter's B^T from its pages: [rank, N]."""
+    return lora_b[pages].reshape(len(pages) * PAGE_RANK, -1)[:rank]
+
+
+def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor, meta: LoRAMeta,
+                    num_slices: int) -> torch.Tensor:
+    """Return inter: [T, S*R] float32 with inter[t, s*R + r] = x[t] . A_s[adapter_t, r].
+
+    Columns r >= the adapter's rank and rows of tokens without a slot are zero.
     """
     num_tokens = x.shape[0]
-    num_loras, sr, hidden = lora_a.shape
-    if sr % num_slices:
-        raise ValueError(f"lora_a has {sr} rows, not a multiple of {num_slices} slices")
-    rank_max = sr // num_slices
-    out = torch.zeros(num_tokens, num_slices, rank_max, dtype=torch.float32, device=x.device)
-    for slot, rank, rows in _slot_rows(token_slots, num_tokens, slot_rank):
-        a = lora_a[slot].view(num_slices, rank_max, hidden)[:, :rank].float()  # a: [S, r, in]
-        xs = x[rows].float()  # xs: [n, in]
-        out[rows, :, :rank] = torch.einsum("ti,sri->tsr", xs, a)
-    return out.view(num_tokens, sr)
+    if lora_a.shape[1] != num_slices * PAGE_RANK:
+        raise ValueError(f"lora_a's pages hold {lora_a.shape[1]} rows, not {num_slices} slices of {PAGE_RANK}")
+    r_max = rank_max(meta)
+    out = torch.zeros(num_tokens, num_slices, r_max, dtype=torch.float32, device=x.device)
+    for _, rank, pages, rows in _adapter_rows(meta, num_tokens, lora_rank):
+        a = gather_a(lora_a, pages, num_slices, rank).float()  # a: [S, r, in]
+        out[rows, :, :rank] = torch.einsum("ti,sri->tsr", x[rows].float(), a)
+    return out.view(num_tokens, num_slices * r_max)
 
 
-def lora_expand_ref(inter: torch.Tensor, lora_b: torch.Tensor, slot_rank: torch.Tensor,
-                    token_slots: torch.Tensor, slice_offsets, y: torch.Tensor) -> None:
-    """In place: y[t, n] += round(inter[t, s*R + :r] . B[slot_t, n, :r]) for n in slice s (rounded to y's dtype).
-
-    Rows of tokens without a slot are left untouched.
+def lora_expand_ref(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor, meta: LoRAMeta,
+                    slice_offsets, y: torch.Tensor) -> None:
+    """In place: y[t, n] += round(inter[t, s*R + :r] . B_s[adapter_t, n, :r]) for n in slice s (rounded to
+    y's dtype). Rows of tokens without a slot are left untouched.
     """
     num_tokens, n_out = y.shape
     num_slices = len(slice_offsets) - 1
-    rank_max = lora_b.shape[2]
+    r_max = rank_max(meta)
     if slice_offsets[0] != 0 or slice_offsets[-1] != n_out:
         raise ValueError(f"slice_offsets {tuple(slice_offsets)} must span 0..{n_out}")
-    for slot, rank, rows in _slot_rows(token_slots, num_tokens, slot_rank):
+    for _, rank, pages, rows in _adapter_rows(meta, num_tokens, lora_rank):
+        b = gather_b(lora_b, pages, rank).float()  # b: [r, N]
         delta = torch.empty(len(rows), n_out, dtype=torch.float32, device=y.device)
         for s in range(num_slices):
             lo, hi = slice_offsets[s], slice_offsets[s + 1]
-            a = inter[rows, s * rank_max:s * rank_max + rank].float()  # a: [n, r]
-            b = lora_b[slot, lo:hi, :rank].float()  # b: [hi-lo, r]
-            delta[:, lo:hi] = a @ b.T
+            delta[:, lo:hi] = inter[rows, s * r_max:s * r_max + rank].float() @ b[:, lo:hi]
         y[rows] = (y[rows].float() + delta.to(y.dtype).float()).to(y.dtype)  # the product rounds first

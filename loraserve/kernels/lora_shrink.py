@@ -1,13 +1,17 @@
-"""LoRA shrink: inter[t, s*R + r] = x[t] . A[slot_t, s*R + r] for every slice s of a packed layer.
+"""LoRA shrink: inter[t, s*R + r] = x[t] . A_s[adapter_t, r] for every slice s of a packed layer.
 
-One launch covers all slices and all slots. Tokens are grouped by slot
-(LoRAMeta); the grid is sized by static maxima only: a token-tile axis of
-cdiv(T, BLOCK_M) + min(L, T) entries (enough for any split of T tokens over L
-slots) and an axis over row tiles of the S*R rows of A times the split-K
-factor. Each program maps its token tile to (slot, tile within the slot) with
-a prefix sum over the per-slot tile counts; programs past the last tile, and
-row tiles that lie wholly beyond their slot's rank, return at once. Rows of A
-beyond the rank are masked, so they are neither read nor counted.
+One launch covers all slices and all adapters of a step. A's rank rows live in
+pool pages (lora_meta: PAGE_RANK rows per page, found through the page table),
+so each row is gathered from its page. Tokens are grouped by slot (LoRAMeta);
+the grid has static sizes only: a token-tile axis of G = cdiv(T, BLOCK_M) +
+min(L, T, LOOSE_TILES) programs and an axis over row tiles of the S*R rows of
+the output times the split-K factor; neither the pool's size nor max_loras
+grows it. Program p of the token axis takes tiles p, p + G, ... (so any split
+of T tokens over L slots is covered), each tile's (slot, tile within the slot)
+read from the step's tile map (one load); it stops at the first tile past the
+last or on the tokens without an adapter, and skips row tiles that lie wholly
+beyond their adapter's rank. Rows beyond the rank are masked, so they
+are neither read nor counted.
 
 Two static shapes: decode (T <= SHRINK_DECODE_MAX_TOKENS) splits K up to 16
 ways so that the few tiles of each adapter still spread its A rows over many
@@ -29,8 +33,11 @@ import triton
 import triton.language as tl
 
 from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, next_power_of_2, pdl_supported
-from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, LoRAMeta
+from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, LoRAMeta
 
+# Programs on the token-tile axis beyond one per BLOCK_M tokens: up to this many adapters' partial tiles run
+# side by side; with more adapters in a step, programs take several tiles each (token_programs).
+LOOSE_TILES = 8
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
 # H200 with 8 adapters: at T = 128..256 the prefill shape leaves too few programs.
 SHRINK_DECODE_MAX_TOKENS = 256
@@ -61,101 +68,113 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
 
 
 @triton.jit
-def slot_tile(tile, rank_ptr, start_ptr, count_ptr, num_loras,
-              LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Map a flat token-tile index to (slot, tile within slot, rank, count, start).
+def slot_of_tile(tile, map_ptr, num_tiles):
+    """(slot, tile within the slot) of a flat token tile from the step's tile map (num_tiles entries);
+    slot < 0 past the last."""
+    code = tl.load(map_ptr + tile, mask=tile < num_tiles, other=-1)
+    return code >> 16, code & 0xFFFF
 
-    slot >= num_loras if the tile is past the last one. The three per-slot
-    vectors are read in one go, so this costs a single memory round trip.
-    """
-    slots = tl.arange(0, LORAS_P2)
-    ok = slots < num_loras
-    count = tl.load(count_ptr + slots, mask=ok, other=0)  # count: [LORAS_P2]
-    rank = tl.load(rank_ptr + slots, mask=ok, other=0)
-    start = tl.load(start_ptr + slots, mask=ok, other=0)
-    tiles = tl.where(rank > 0, (count + BLOCK_M - 1) // BLOCK_M, 0)
-    ends = tl.cumsum(tiles, 0)
-    slot = tl.sum((ends <= tile).to(tl.int32), 0)
-    mine = slots == slot
-    m_tile = tile - tl.sum(tl.where(mine, ends - tiles, 0), 0)
-    return (slot, m_tile, tl.sum(tl.where(mine, rank, 0), 0), tl.sum(tl.where(mine, count, 0), 0),
-            tl.sum(tl.where(mine, start, 0), 0))
+
+@triton.jit
+def slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr):
+    """(rank in this layer, token count, start in the sorted ids, adapter id) of a slot (adapter -1: rank 0)."""
+    count = tl.load(count_ptr + slot)
+    start = tl.load(start_ptr + slot)
+    adapter = tl.load(adapter_ptr + slot)
+    rank = tl.load(rank_ptr + tl.maximum(adapter, 0))
+    return tl.where(adapter >= 0, rank, 0), count, start, adapter
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _shrink_kernel(
-    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, part_ptr, out_ptr, counter_ptr,
-    num_tokens, hidden, sr, rank_max, num_loras, k_per_split,
-    stride_xt, stride_xk, stride_al, stride_an, stride_ak, stride_ps, stride_pt, stride_pn,
+    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, part_ptr, out_ptr,
+    counter_ptr, num_tokens, hidden, sr, rank_max, num_loras, num_tiles, k_per_split,
+    stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
     stride_ot, stride_on, stride_ct,
-    LORAS_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
+    PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the expand launched after this may start its prologue now (it waits before reading out)
         tl.extra.cuda.gdc_launch_dependents()
     n_tile = tl.program_id(0) // SPLIT_K
     split = tl.program_id(0) % SPLIT_K
-    slot, m_tile, rank, count, start = slot_tile(tl.program_id(1), rank_ptr, start_ptr, count_ptr,
-                                                 num_loras, LORAS_P2, BLOCK_M)
-    if slot >= num_loras:
-        return
-    rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of A: [BLOCK_N]
-    row_ok = (rows < sr) & (rows % rank_max < rank)
-    if tl.max(row_ok.to(tl.int32), 0) == 0:
-        return
-    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-    tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+    tile = tl.program_id(1)
+    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
+    # the program's token tiles: tile, tile + G, ... (G programs on this axis) while they hold adapter tokens
+    # (the tile map lists the adapters' tiles first, then the base tokens', then -1)
+    while (slot >= 0) & (slot < num_loras):
+        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(1), map_ptr, num_tiles)  # its load overlaps
+        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
+        rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows s*R + r: [BLOCK_N]
+        r = rows % rank_max
+        row_ok = (rows < sr) & (r < rank)
+        if tl.max(row_ok.to(tl.int32), 0) > 0:  # else: every row lies beyond the adapter's rank
+            offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+            tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
 
-    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
-    a_rows = a_ptr + slot.to(tl.int64) * stride_al + rows[None, :] * stride_an
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kk in range(0, k_per_split, BLOCK_K):
-        offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < hidden
-        a = tl.load(a_rows + offs_k[:, None] * stride_ak,
-                    mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
-        x = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                    mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
-        acc += tl.dot(x, a, input_precision=PRECISION)
+            # each row of A from its page: [BLOCK_N] pages, rows s*PAGE + r % PAGE within the page
+            page = tl.load(page_ptr + adapter.to(tl.int64) * stride_pa + r // PAGE, mask=row_ok, other=0)
+            x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+            a_rows = (a_ptr + page.to(tl.int64)[None, :] * stride_ap
+                      + ((rows // rank_max) * PAGE + r % PAGE)[None, :] * stride_an)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, k_per_split, BLOCK_K):
+                offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < hidden
+                a = tl.load(a_rows + offs_k[:, None] * stride_ak,
+                            mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
+                x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                            mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
+                acc += tl.dot(x, a, input_precision=PRECISION)
 
-    mask = tok_ok[:, None] & (rows < sr)[None, :]
-    # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
-    part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + rows[None, :] * stride_pn
-    tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
-    if REDUCE:
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        counter = counter_ptr + tl.program_id(1) * stride_ct + n_tile
-        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the SPLIT_K
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order, whichever program is last
-                # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
-                total += tl.load(part + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on,
-                     total, mask=mask)
-            tl.store(counter, 0)
+            mask = tok_ok[:, None] & (rows < sr)[None, :]
+            # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
+            part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + rows[None, :] * stride_pn
+            tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
+            if REDUCE:
+                tl.debug_barrier()  # every thread's partial is stored before the release below
+                counter = counter_ptr + tile * stride_ct + n_tile
+                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the SPLIT_K
+                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                    for s in tl.static_range(SPLIT_K):  # fixed order, whichever program is last
+                        # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
+                        total += tl.load(part + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on,
+                             total, mask=mask)
+                    tl.store(counter, 0)
+        tile += tl.num_programs(1)
+        slot, m_tile = next_slot, next_m_tile
 
 
 _shrink_launch = CachedLauncher(_shrink_kernel)
 _SHRINK_VARIABLE = ("x_ptr", "num_tokens", "stride_xt", "stride_xk")  # what a bound shrink takes per call
 
 
+def token_programs(num_tokens: int, block_m: int, num_loras: int) -> int:
+    """Programs on the token-tile axis: enough for every tile of T tokens over at most LOOSE_TILES adapters
+    at once; with more adapters (more, smaller tiles) each program takes several tiles in turn, so the grid
+    does not grow with max_loras."""
+    return cdiv(num_tokens, block_m) + min(num_loras, num_tokens, LOOSE_TILES)
+
+
 def shrink_grid(cfg: ShrinkConfig, num_tokens: int, sr: int, num_loras: int) -> tuple[int, int]:
-    """(row tiles x split-K programs, token tiles): static maxima only (the module docstring)."""
-    return (cdiv(sr, cfg.block_n) * cfg.split_k, cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    """(row tiles x split-K programs, token-tile programs): static sizes only (the module docstring)."""
+    return (cdiv(sr, cfg.block_n) * cfg.split_k, token_programs(num_tokens, cfg.block_m, num_loras))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor,
                 meta: LoRAMeta, num_slices: int, out: torch.Tensor,
                 config: ShrinkConfig | None = None, partials: torch.Tensor | None = None,
                 bind: bool = False) -> BoundLaunch | None:
-    """out: [T, S*R] float32 <- x: [T, in] times each token's slot's A: [L, S*R, in].
+    """out: [T, S*R] float32 <- x: [T, in] times each token's adapter's A, from the pool pages
+    lora_a: [P, S*PAGE_RANK, in] (lora_meta), lora_rank: [A] int32 each adapter id's rank in this layer.
 
     A split-K shrink sums its partials in the same launch (meta.tile_counters).
 
     Defined on return: out[t, s*R + r] for every token t with a slot and
-    r < slot_rank[slot] (what lora_expand reads). Other elements are
+    r < its adapter's rank (what lora_expand reads). Other elements are
     unspecified (zero or untouched). meta must have been built from at most T
     token slots (the grid is sized for T). Launches sharing meta's counters
     must be stream-ordered (never concurrent). `config` overrides the static
@@ -169,17 +188,20 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     do not depend on T (views of static scratch), as the bound launch keeps them.
     """
     num_tokens, hidden = x.shape
-    num_loras, sr, a_hidden = lora_a.shape
+    _, page_rows, a_hidden = lora_a.shape
     if a_hidden != hidden:
         raise ValueError(f"x has {hidden} features but lora_a expects {a_hidden}")
-    if num_slices < 1 or sr % num_slices:
-        raise ValueError(f"lora_a's {sr} rows do not split into {num_slices} slices")
+    if num_slices < 1 or page_rows != num_slices * PAGE_RANK:
+        raise ValueError(f"lora_a's pages hold {page_rows} rows, not {num_slices} slices of {PAGE_RANK}")
     if x.dtype != lora_a.dtype:
         raise ValueError(f"x is {x.dtype} but lora_a is {lora_a.dtype}")
+    sr = out.shape[1] if out.dim() == 2 else -1
+    if out.dtype != torch.float32 or out.dim() != 2 or out.shape[0] != num_tokens or sr % num_slices:
+        raise ValueError(f"out must be [{num_tokens}, S*R] float32 with S={num_slices}, "
+                         f"got {list(out.shape)} {out.dtype}")
+    num_loras = check_meta(meta, lora_rank, num_tokens)
+    check_pages(meta, sr // num_slices)
     cfg = config or shrink_config(num_tokens, hidden, sr)
-    if out.dtype != torch.float32 or out.shape != (num_tokens, sr):
-        raise ValueError(f"out must be [{num_tokens}, {sr}] float32, got {list(out.shape)} {out.dtype}")
-    check_meta(meta, slot_rank, num_tokens, num_loras)
     if num_tokens == 0:
         return
     grid = shrink_grid(cfg, num_tokens, sr, num_loras)
@@ -198,15 +220,15 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, slot_rank: torch.Tensor,
     k_per_split = cdiv(cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
     launch = functools.partial(_shrink_launch.call_and_bind, variable=_SHRINK_VARIABLE) if bind else _shrink_launch
     return launch(grid,
-        x, lora_a, slot_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, partial, out,
-        meta.tile_counters,
-        num_tokens, hidden, sr, sr // num_slices, num_loras, k_per_split,
-        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        x, lora_a, lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter,
+        meta.tile_map(cfg.block_m), meta.page_table, partial, out, meta.tile_counters,
+        num_tokens, hidden, sr, sr // num_slices, num_loras, meta.tile_map(cfg.block_m).shape[0], k_per_split,
+        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), meta.page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
         meta.tile_counters.stride(0),
-        LORAS_P2=loras_p2(num_loras), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, PRECISION=dot_precision(x.dtype),
-        PDL=pdl_supported(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAGE=PAGE_RANK, PDL=pdl_supported(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -224,24 +246,34 @@ def shrink_splits(num_tokens: int, hidden: int, sr: int) -> int:
     return shrink_config(num_tokens, hidden, sr).split_k
 
 
-def loras_p2(num_loras: int) -> int:
-    """Width of the in-kernel slot vector: one compiled kernel serves every L <= 16."""
-    return max(16, next_power_of_2(num_loras))
-
-
 def dot_precision(dtype: torch.dtype) -> str:
     """Full fp32 products for fp32 weights; tensor-core inputs otherwise."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def check_meta(meta: LoRAMeta, slot_rank: torch.Tensor, num_tokens: int, num_loras: int):
-    """Raise ValueError unless meta and slot_rank fit T tokens and L slots."""
-    if slot_rank.shape != (num_loras,) or slot_rank.dtype != torch.int32:
-        raise ValueError(f"slot_rank must be [{num_loras}] int32, "
-                         f"got {list(slot_rank.shape)} {slot_rank.dtype}")
-    if meta.slot_start.shape[0] != num_loras or meta.slot_count.shape[0] != num_loras:
-        raise ValueError(f"meta is built for {meta.slot_count.shape[0]} slots, "
-                         f"the weights have {num_loras}")
+def check_meta(meta: LoRAMeta, lora_rank: torch.Tensor, num_tokens: int) -> int:
+    """Raise ValueError unless meta and lora_rank fit T tokens; returns L, the step's slots."""
+    num_loras = meta.num_loras
+    num_ids = meta.page_table.shape[0]
+    if lora_rank.shape != (num_ids,) or lora_rank.dtype != torch.int32:
+        raise ValueError(f"lora_rank must be [{num_ids}] int32 (one rank per adapter id of the page table), "
+                         f"got {list(lora_rank.shape)} {lora_rank.dtype}")
+    if meta.slot_start.shape[0] != num_loras + 1 or meta.slot_adapter.shape[0] != num_loras + 1:
+        raise ValueError(f"meta's slot vectors disagree: {meta.slot_start.shape[0]} starts, {num_loras} counts, "
+                         f"{meta.slot_adapter.shape[0]} adapters")
     if meta.sorted_token_ids.shape[0] < num_tokens:
         raise ValueError(f"meta holds {meta.sorted_token_ids.shape[0]} tokens, "
                          f"fewer than T={num_tokens}")
+    return num_loras
+
+
+def check_pages(meta: LoRAMeta, rank_max: int) -> None:
+    """Raise ValueError unless the page table has one column per PAGE_RANK of the intermediate's rank_max
+    ranks per slice (R = max_pages * PAGE_RANK)."""
+    table = meta.page_table
+    if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
+        raise ValueError(f"meta.page_table must be int32 [A, max_pages] with contiguous rows, "
+                         f"got {list(table.shape)} {table.dtype}")
+    if table.shape[1] * PAGE_RANK != rank_max:
+        raise ValueError(f"the intermediate has {rank_max} ranks per slice but the page table's "
+                         f"{table.shape[1]} pages of {PAGE_RANK} hold {table.shape[1] * PAGE_RANK}")

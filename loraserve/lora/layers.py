@@ -1,11 +1,12 @@
-"""LoRA-aware linear layer: a wrapper around a base (packed) linear with static slot storage.
+"""LoRA-aware linear layer: a wrapper around a base (packed) linear that reads its adapters from the pool.
 
-Storage, allocated once, addresses never change (so CUDA graphs read whatever the slots hold at replay):
-  lora_a:    [L, S*R, in]  rows s*R .. s*R+R-1 are slice s's A for a slot
-  lora_b:    [L, N, R]     rows slice_offsets[s] .. slice_offsets[s+1]-1 are slice s's B (scaling folded in)
-  slot_rank: [L] int32     the rank in each slot (0 = empty)
-with L = max_loras, R = max_lora_rank, S slices (q/k/v: 3, gate/up: 2, o/down: 1). Only the LoRA
-runtime (lora/runtime.py) writes them.
+Its storage is a set of views of the adapter pool (lora/pool.py), bound once; addresses never change (so
+CUDA graphs read whatever the pool holds at replay):
+  lora_a:    [P, S*PAGE_RANK, in]  per page, PAGE_RANK rank rows of each slice's A
+  lora_b:    [P, PAGE_RANK, N]     per page, PAGE_RANK rank rows of B^T (scaling folded in)
+  lora_rank: [A] int32             each adapter id's rank in this layer (0 = not targeted)
+with S slices (q/k/v: 3, gate/up: 2, o/down: 1); the page table is in the step's metadata. Only the
+adapter pool writes them.
 
 Forward, with the pass's LoRA state in ctx.lora (a LoRABatch; None: the base
 layer alone): with a side stream and at most its scratch's max_tokens tokens
@@ -36,8 +37,7 @@ GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], max_loras: int, max_rank: int,
-                 gemm_first: bool = False):
+    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], gemm_first: bool = False):
         super().__init__()
         self.base = base
         self.slice_names = slice_names
@@ -45,20 +45,19 @@ class LoRALinear(nn.Module):
         self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
         if len(self.slice_offsets) != len(slice_names) + 1:
             raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
-        self.max_rank = max_rank
-        device, dtype = base.weight.device, base.weight.dtype
-        s = len(slice_names)
-        self.register_buffer("lora_a", torch.zeros(max_loras, s * max_rank, base.in_features, device=device,
-                                                   dtype=dtype), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, base.out_features, max_rank, device=device,
-                                                   dtype=dtype), persistent=False)
-        self.register_buffer("slot_rank", torch.zeros(max_loras, dtype=torch.int32, device=device),
-                             persistent=False)
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+        self.lora_rank: torch.Tensor | None = None
+        self.rank_width = 0  # R: rank rows per slice of the LoRA intermediate
         # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a capture)
         self._fork: torch.cuda.Event | None = None
         self._join: torch.cuda.Event | None = None
         # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
         self._bound: dict[int, BoundLoRADelta] = {}
+
+    def bind_pool(self, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor, rank_width: int) -> None:
+        """Read adapters from these views of the pool (once, before any forward pass with LoRA)."""
+        self.lora_a, self.lora_b, self.lora_rank, self.rank_width = lora_a, lora_b, lora_rank, rank_width
 
     @property
     def in_features(self) -> int:
@@ -70,8 +69,8 @@ class LoRALinear(nn.Module):
 
     @property
     def lora_rows(self) -> int:
-        """S*R: the rows of A per slot (the shrink's output width)."""
-        return self.lora_a.shape[1]
+        """S*R: the width of the shrink's output."""
+        return len(self.slice_names) * self.rank_width
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> LinearOutput:
         # x: [T, in] -> y: [T, N] and, beside the GEMM, its LoRA delta [T, N]
@@ -82,7 +81,7 @@ class LoRALinear(nn.Module):
         if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
             y = self.base(x).y
             apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
-            apply(x, y, self.lora_a, self.lora_b, self.slot_rank, lora.meta, self.slice_offsets)
+            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets)
             return LinearOutput(y, None)
         return self._forward_beside(x, lora.meta, side)
 
@@ -118,28 +117,9 @@ class LoRALinear(nn.Module):
         launch of its kernel shape, made here if none fits, and keep it for x's token count; returns the delta."""
         bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
         if bound is None:  # a new kernel shape (or new buffers): launched and bound by the kernels' wrappers
-            delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.slot_rank, meta, self.slice_offsets)
+            delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
         else:
             delta = bound(x)
         self._bound[x.shape[0]] = bound
         return delta
 
-    @torch.no_grad()
-    def write_slot(self, slot: int, weights: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Put one adapter's (A [r, in], B [out_s, r]) per slice (None = slice not targeted) into `slot`."""
-        r_max = self.max_rank
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
-        rank = 0
-        for s, pair in enumerate(weights):
-            if pair is None:
-                continue
-            a, b = pair
-            r = a.shape[0]
-            self.lora_a[slot, s * r_max:s * r_max + r].copy_(a, non_blocking=True)
-            self.lora_b[slot, self.slice_offsets[s]:self.slice_offsets[s + 1], :r].copy_(b, non_blocking=True)
-            rank = max(rank, r)
-        self.slot_rank[slot] = rank
-
-    def clear_slot(self, slot: int) -> None:
-        self.slot_rank[slot] = 0

@@ -1,118 +1,186 @@
-"""Adapter manager: registry, CPU LRU cache, GPU slots.
+"""Adapter manager: which adapters are known, cached in host memory and resident in the GPU pool.
 
-- registry: name -> PEFT folder; registering validates the adapter at once.
-- CPU cache: up to max_cpu_loras adapters in the model dtype (pinned memory on
-  CUDA), least recently used first out; pinned adapters stay.
-- GPU slots: max_loras slots in each LoRA layer's static storage, written
-  through the LoRA runtime. An adapter needed by a step goes into a free slot or
-  evicts the least recently used slot whose adapter is neither running nor
-  pinned. Pinned adapters keep their slot.
-- refcounts: requests in flight per adapter. An unregistered adapter refuses new
-  requests; its in-flight requests finish with the weights already loaded.
+- registry: name -> source (a PEFT folder, or an adapter object given in memory); registering validates
+  the adapter at once and records its rank (so the scheduler knows its pages before it is loaded).
+- host cache: adapters packed in page layout (pinned on CUDA), least recently used out when their bytes
+  exceed max_cpu_lora_memory (or their number max_cpu_loras). Folder adapters are read again when needed;
+  in-memory ones are packed again from their object. Pinned adapters stay.
+- GPU pool (lora/pool.py): an adapter a step needs is loaded into free pages, evicting the least recently
+  used adapters with no request in flight, never a pinned one. Loads are copies on the runtime's load
+  stream; the first step that uses an adapter waits for its copy on the device, never on the host.
+- load-ahead (`prefetch`): the adapters of waiting requests are read from disk on a worker thread and
+  copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
+  running or waiting request needs.
+- refcounts: requests in flight per adapter. An unregistered adapter refuses new requests; its in-flight
+  requests finish with the weights already loaded.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import Counter, OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import InvalidRequestError, LoRAConflictError, UnknownLoRAError
-from loraserve.lora.adapter import LoRAAdapter, load_lora_adapter
+from loraserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter
+from loraserve.lora.pool import PackedAdapter
 from loraserve.lora.runtime import LoRARuntime
 
 logger = logging.getLogger(__name__)
 
-IN_MEMORY = "<in memory>"  # the path of adapters registered as objects: they can't be reloaded from disk
+IN_MEMORY = "<in memory>"  # the path shown for adapters registered as objects
 LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter read, validated and packed on the host; made by LoRAManager.load on any thread."""
+
+    packed: PackedAdapter
+    rank: int
+    seconds: float
+
+
+@dataclass
+class AdapterCounters:
+    """Per-adapter counts since start (metrics)."""
+
+    disk_loads: int = 0  # read from disk (or packed from its object) into the host cache
+    gpu_loads: int = 0  # copied into the GPU pool
+    gpu_evictions: int = 0
+    load_seconds: float = 0.0  # time spent reading and packing it
+    gpu_load_bytes: int = 0  # bytes copied host -> device
+    queue_seconds: float = 0.0  # its requests' waits before their first step, summed
+    requests_started: int = 0
+
+
+@dataclass
+class _Registered:
+    path: str
+    rank: int
+    source: LoRAAdapter | None = None  # in-memory adapters: packed again from this when out of the host cache
+    counters: AdapterCounters = field(default_factory=AdapterCounters)
 
 
 class LoRAManager:
     def __init__(self, runtime: LoRARuntime):
         self.config: LoRAConfig = runtime.config
         self.runtime = runtime
-        self.paths: dict[str, str] = {}
+        self.pool = runtime.pool
+        self._registry: dict[str, _Registered] = {}
         self.refcounts: Counter[str] = Counter()
         self._pinned: set[str] = set()
-        self._cpu: OrderedDict[str, LoRAAdapter] = OrderedDict()
-        self._slots: list[str | None] = [None] * self.config.max_loras
-        self._slot_lru: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, oldest use first
-        self._retired: dict[str, str] = {}  # name -> path: unregistered while requests were in flight
-        self.num_loads = 0  # adapters read from disk since start
+        self._cpu: OrderedDict[str, PackedAdapter] = OrderedDict()  # oldest use first
+        self._cpu_bytes = 0
+        self._gpu: OrderedDict[str, int] = OrderedDict()  # resident adapter -> id, oldest use first
+        self._copying: dict[int, torch.cuda.Event] = {}  # adapter id -> its load's event, until a step waits on it
+        self._retired: dict[str, _Registered] = {}  # unregistered while requests were in flight
+        self._reading: dict[str, Future] = {}  # disk reads on the worker thread
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self.num_loads = 0  # adapters read from disk (or packed) since start
+        self.num_gpu_loads = 0
+        self.num_gpu_evictions = 0
         self.recent_load_seconds: deque[float] = deque(maxlen=LOAD_HISTORY)  # the last loads' times, oldest first
 
+    # -- what the scheduler asks ------------------------------------------------
     @property
     def pinned(self) -> frozenset[str]:
-        """The adapters that hold a GPU slot for good."""
+        """The adapters that stay in the GPU pool for good."""
         return frozenset(self._pinned)
 
+    @property
+    def num_pages(self) -> int:
+        """The GPU pool's pages: the adapters of one step must fit in them together."""
+        return self.pool.num_pages
+
+    def pages_of(self, name: str) -> int:
+        """The pool pages adapter `name` takes (registered or retired)."""
+        entry = self._registry.get(name) or self._retired[name]
+        return self.pool.pages_for(entry.rank)
+
+    @property
+    def paths(self) -> dict[str, str]:
+        """Registered name -> path (IN_MEMORY for adapters given as objects)."""
+        return {name: entry.path for name, entry in self._registry.items()}
+
     # -- registry ---------------------------------------------------------------
-    def register(self, name: str, path: str, pinned: bool = False,
-                 loaded: tuple[LoRAAdapter, float] | None = None) -> None:
-        """Register `name` -> `path`, validating the adapter now. `loaded` is the result of `load`
-        run beforehand (off the engine thread, so that reading the files does not stall decoding)."""
-        if name in self.paths:
-            if self.paths[name] != path:
-                raise LoRAConflictError(f"LoRA adapter {name!r} is already registered with path {self.paths[name]!r}")
+    def register(self, name: str, path: str, pinned: bool = False, loaded: LoadedAdapter | None = None) -> None:
+        """Register `name` -> `path`, validating the adapter now. `loaded` is the result of `load` run
+        beforehand (off the engine thread, so that reading the files does not stall decoding)."""
+        entry = self._registry.get(name)
+        if entry is not None:
+            if entry.path != path:
+                raise LoRAConflictError(f"LoRA adapter {name!r} is already registered with path {entry.path!r}")
         else:
-            self._check_new(name, pinned)
-            adapter, seconds = loaded if loaded is not None else self.load(name, path)
-            self._record_load(seconds)
-            self._cache_on_cpu(name, adapter)
-            self.paths[name] = path
+            self._check_new(name)
+            loaded = loaded if loaded is not None else self.load(name, path)
+            if pinned:
+                self._check_pin_room(name, loaded.rank)
+            entry = _Registered(path, loaded.rank)
+            self._registry[name] = entry
+            self._record_load(entry, loaded.seconds)
+            self._cache_on_cpu(name, loaded.packed)
         if pinned:
             self._pin(name)
 
     def register_adapter(self, name: str, adapter: LoRAAdapter, pinned: bool = False) -> None:
-        """Register an adapter built in memory (benchmarks, tests); it stays in the CPU cache."""
-        if name in self.paths:
+        """Register an adapter built in memory (benchmarks, tests). Its tensors are kept (shared, not copied,
+        when already in the model's dtype) and packed into the host cache when needed, like a folder's."""
+        if name in self._registry:
             raise LoRAConflictError(f"LoRA adapter {name!r} is already registered")
-        self._check_new(name, pinned)
-        self._cache_on_cpu(name, adapter.to(dtype=self.runtime.dtype, pin_memory=self.runtime.device.type == "cuda"))
-        self.paths[name] = IN_MEMORY
+        self._check_new(name)
+        if adapter.max_rank > self.config.max_lora_rank:
+            raise LoRAAdapterError(name, f"rank {adapter.max_rank} exceeds max_lora_rank {self.config.max_lora_rank}")
+        if pinned:
+            self._check_pin_room(name, adapter.max_rank)
+        source = adapter.to(dtype=self.runtime.dtype)
+        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, source)
         if pinned:
             self._pin(name)
 
-    def _check_new(self, name: str, pinned: bool) -> None:
-        """Refuse a new registration before any work: a name still being unloaded, or no room to pin."""
+    def _check_new(self, name: str) -> None:
+        """Refuse a new registration before any work: a name still being unloaded."""
         if name in self._retired:
             raise LoRAConflictError(f"LoRA adapter {name!r} is being unloaded; retry when its requests finish")
-        if pinned:
-            self._check_pin_room(name)
 
-    def _check_pin_room(self, name: str) -> None:
-        """At most max_loras - 1 pinned adapters, so one slot always rotates."""
-        if len(self._pinned) + 1 >= self.config.max_loras:
-            raise InvalidRequestError(f"can't pin LoRA adapter {name!r}: at most max_loras - 1 = "
-                                      f"{self.config.max_loras - 1} adapters can be pinned")
+    def _check_pin_room(self, name: str, rank: int) -> None:
+        """Pinned adapters must leave room in the pool for one adapter of max_lora_rank."""
+        pinned = sum(self.pages_of(n) for n in self._pinned if n != name)
+        if pinned + self.pool.pages_for(rank) + self.pool.max_pages > self.pool.num_pages:
+            raise InvalidRequestError(f"can't pin LoRA adapter {name!r}: pinned adapters must leave room for an "
+                                      "adapter of max_lora_rank in the GPU pool")
 
     def _pin(self, name: str) -> None:
-        """Give `name` a slot for good. Never takes the slot of an adapter with requests in flight."""
+        """Keep `name` in the pool for good. Never evicts an adapter with requests in flight."""
         if name in self._pinned:
             return
-        self._check_pin_room(name)
+        self._check_pin_room(name, self._registry[name].rank)
         try:
-            self._ensure_slot(name, protected=set(self.refcounts) | self._pinned)
+            self._ensure_resident(name, protected=set(self.refcounts) | self._pinned)
         except RuntimeError as exc:
-            raise InvalidRequestError(f"can't pin LoRA adapter {name!r} now: every GPU slot holds an adapter "
-                                      "with requests in flight; retry when they finish") from exc
+            raise InvalidRequestError(f"can't pin LoRA adapter {name!r} now: the GPU pool is full of adapters with "
+                                      "requests in flight; retry when they finish") from exc
         self._pinned.add(name)
 
     def unregister(self, name: str) -> None:
-        if name not in self.paths:
+        entry = self._registry.pop(name, None)
+        if entry is None:
             raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded")
-        path = self.paths.pop(name)
         self._pinned.discard(name)
         if self.refcounts[name] > 0:
-            self._retired[name] = path
+            self._retired[name] = entry
         else:
             self._drop(name)
 
     def registered(self) -> list[str]:
-        return list(self.paths)
+        return list(self._registry)
 
     def check_known(self, name: str) -> None:
-        if name not in self.paths:
+        if name not in self._registry:
             raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded; load it first or name a known adapter")
 
     # -- request references ------------------------------------------------------
@@ -128,86 +196,186 @@ class LoRAManager:
                 del self._retired[name]
                 self._drop(name)
 
-    # -- slots -------------------------------------------------------------------
-    def prepare_slots(self, names: set[str], running: set[str]) -> dict[str, int]:
-        """Make sure every adapter in `names` sits in a GPU slot; returns name -> slot."""
+    # -- the GPU pool ------------------------------------------------------------------
+    def prepare(self, names: set[str], running: set[str]) -> dict[str, int]:
+        """Make every adapter in `names` (one step's) resident; returns name -> adapter id. The current stream
+        is ordered after their copies. Raises LoRAAdapterError for an adapter that can't be read any more."""
         protected = running | names | self._pinned
-        return {name: self._ensure_slot(name, protected) for name in names}
+        ids = {name: self._ensure_resident(name, protected) for name in names}
+        for adapter_id in ids.values():
+            self.runtime.wait_for(self._copying.pop(adapter_id, None))
+        return ids
 
-    def _ensure_slot(self, name: str, protected: set[str]) -> int:
-        if name in self._slot_lru:
-            self._slot_lru.move_to_end(name)
-            return self._slot_lru[name]
-        slot = self._free_slot(protected)
-        self.runtime.write_slot(slot, self._cpu_adapter(name))
-        self._slots[slot] = name
-        self._slot_lru[name] = slot
-        return slot
+    def prefetch(self, names: list[str], protected: set[str]) -> None:
+        """Load ahead the adapters of waiting requests, in order (`names`, the first waiting first), while
+        the pool has room without evicting a protected adapter or one named here. Reads from disk go to the
+        worker thread; nothing here waits for a read or a copy."""
+        self._collect_reads()
+        keep = protected | set(names) | self._pinned
+        for name in names:
+            if name in self._gpu or name not in self._registry:
+                continue
+            packed = self._cpu.get(name)
+            if packed is None:
+                self._start_read(name)
+                continue
+            if not self._make_room(self.pages_of(name), keep):
+                return
+            self._load_to_gpu(name, packed)
 
-    def _free_slot(self, protected: set[str]) -> int:
-        if None in self._slots:
-            return self._slots.index(None)
-        for victim in self._slot_lru:
-            if victim not in protected:
-                slot = self._slot_lru.pop(victim)
-                self._clear(slot)
-                return slot
-        raise RuntimeError("no LoRA slot can be freed: every slot holds a running or pinned adapter")
+    def _ensure_resident(self, name: str, protected: set[str]) -> int:
+        adapter_id = self._gpu.get(name)
+        if adapter_id is not None:
+            self._gpu.move_to_end(name)
+            return adapter_id
+        packed = self._cpu_adapter(name)
+        if not self._make_room(packed.num_pages, protected):
+            raise RuntimeError(f"no room in the GPU adapter pool for {name!r}: its {self.pool.free_pages} free "
+                               f"pages are fewer than the {packed.num_pages} needed and every resident adapter "
+                               "is running or pinned")
+        return self._load_to_gpu(name, packed)
 
-    def _clear(self, slot: int) -> None:
-        self.runtime.clear_slot(slot)
-        self._slots[slot] = None
+    def _make_room(self, pages: int, protected: set[str]) -> bool:
+        """Evict least recently used unprotected adapters until `pages` are free; False if they can't be."""
+        if self.pool.free_pages >= pages:
+            return True
+        victims, freed = [], self.pool.free_pages
+        for name, adapter_id in self._gpu.items():
+            if freed >= pages:
+                break
+            if name not in protected:
+                victims.append(name)
+                freed += self.pool.pages_for(self._entry(name).rank)
+        if freed < pages:
+            return False
+        for name in victims:
+            self._evict(name)
+        return True
+
+    def _load_to_gpu(self, name: str, packed: PackedAdapter) -> int:
+        adapter_id, event = self.runtime.load(packed)
+        if event is not None:
+            self._copying[adapter_id] = event
+        self._gpu[name] = adapter_id
+        counters = self._entry(name).counters
+        counters.gpu_loads += 1
+        counters.gpu_load_bytes += packed.nbytes
+        self.num_gpu_loads += 1
+        return adapter_id
+
+    def _evict(self, name: str) -> None:
+        adapter_id = self._gpu.pop(name)
+        self._copying.pop(adapter_id, None)
+        self.runtime.release(adapter_id)
+        entry = self._registry.get(name) or self._retired.get(name)
+        if entry is not None:
+            entry.counters.gpu_evictions += 1
+        self.num_gpu_evictions += 1
 
     def _drop(self, name: str) -> None:
-        self._cpu.pop(name, None)
-        slot = self._slot_lru.pop(name, None)
-        if slot is not None:
-            self._clear(slot)
+        packed = self._cpu.pop(name, None)
+        if packed is not None:
+            self._cpu_bytes -= packed.nbytes
+        if name in self._gpu:
+            self._evict(name)
 
-    # -- CPU cache -----------------------------------------------------------------
-    def load(self, name: str, path: str) -> tuple[LoRAAdapter, float]:
-        """Read, validate and convert an adapter (pinned on CUDA); returns it and the seconds it took.
+    def _entry(self, name: str) -> _Registered:
+        return self._registry.get(name) or self._retired[name]
 
-        Touches no manager state, so it may run on any thread.
-        """
+    # -- the host cache -----------------------------------------------------------------
+    def load(self, name: str, path: str) -> LoadedAdapter:
+        """Read, validate and pack an adapter (pinned on CUDA). Touches no manager state: any thread."""
         start = time.perf_counter()
         adapter = load_lora_adapter(name, path, self.runtime.spec, self.config.max_lora_rank)
-        adapter = adapter.to(dtype=self.runtime.dtype, pin_memory=self.runtime.device.type == "cuda")
-        return adapter, time.perf_counter() - start
+        packed = self.runtime.pack(adapter)
+        return LoadedAdapter(packed, adapter.max_rank, time.perf_counter() - start)
 
-    def _record_load(self, seconds: float) -> None:
+    def _read(self, name: str, entry: _Registered) -> LoadedAdapter:
+        if entry.source is not None:
+            start = time.perf_counter()
+            packed = self.runtime.pack(entry.source)
+            return LoadedAdapter(packed, entry.rank, time.perf_counter() - start)
+        return self.load(name, entry.path)
+
+    def _start_read(self, name: str) -> None:
+        if name not in self._reading:
+            self._reading[name] = self._reader.submit(self._read, name, self._entry(name))
+
+    def _collect_reads(self) -> None:
+        """Move finished worker-thread reads into the host cache (a failed one is read again when needed,
+        where its error reaches the requests)."""
+        for name in [n for n, f in self._reading.items() if f.done()]:
+            future = self._reading.pop(name)
+            if future.exception() is None and name in self._registry and name not in self._cpu:
+                loaded = future.result()
+                self._record_load(self._registry[name], loaded.seconds)
+                self._cache_on_cpu(name, loaded.packed)
+
+    def _record_load(self, entry: _Registered, seconds: float) -> None:
         self.num_loads += 1
         self.recent_load_seconds.append(seconds)
+        entry.counters.disk_loads += 1
+        entry.counters.load_seconds += seconds
 
-    def _cache_on_cpu(self, name: str, adapter: LoRAAdapter) -> None:
-        self._cpu[name] = adapter
-        self._cpu.move_to_end(name)
-        while len(self._cpu) > self.config.max_cpu_loras:
-            victim = next((n for n in self._cpu if n not in self._pinned and n != name
-                           and self.paths.get(n) != IN_MEMORY), None)
+    def _cache_on_cpu(self, name: str, packed: PackedAdapter) -> None:
+        old = self._cpu.pop(name, None)
+        if old is not None:
+            self._cpu_bytes -= old.nbytes
+        self._cpu[name] = packed
+        self._cpu_bytes += packed.nbytes
+        budget = self.config.max_cpu_lora_memory * 2**30
+        count = self.config.max_cpu_loras
+        while self._cpu_bytes > budget or (count is not None and len(self._cpu) > count):
+            victim = next((n for n in self._cpu if n not in self._pinned and n != name), None)
             if victim is None:
                 break
-            del self._cpu[victim]
+            self._cpu_bytes -= self._cpu.pop(victim).nbytes
 
-    def _cpu_adapter(self, name: str) -> LoRAAdapter:
-        adapter = self._cpu.get(name)
-        if adapter is None:
-            adapter, seconds = self.load(name, self.paths.get(name) or self._retired[name])
-            self._record_load(seconds)
-            self._cache_on_cpu(name, adapter)
-        else:
+    def _cpu_adapter(self, name: str) -> PackedAdapter:
+        packed = self._cpu.get(name)
+        if packed is not None:
             self._cpu.move_to_end(name)
-        return adapter
+            return packed
+        self._collect_reads()
+        future = self._reading.pop(name, None)
+        entry = self._entry(name)
+        loaded = future.result() if future is not None and future.exception() is None else self._read(name, entry)
+        self._record_load(entry, loaded.seconds)
+        self._cache_on_cpu(name, loaded.packed)
+        return loaded.packed
+
+    def record_queue_time(self, name: str, seconds: float) -> None:
+        """A request of `name` ran its first step after waiting `seconds`."""
+        entry = self._registry.get(name) or self._retired.get(name)
+        if entry is not None:
+            entry.counters.queue_seconds += seconds
+            entry.counters.requests_started += 1
 
     # -- introspection ----------------------------------------------------------
     @property
     def resident_on_gpu(self) -> list[str]:
-        return list(self._slot_lru)
+        return list(self._gpu)
 
     @property
     def resident_on_cpu(self) -> list[str]:
         return list(self._cpu)
 
     @property
-    def num_slots_used(self) -> int:
-        return sum(s is not None for s in self._slots)
+    def cpu_cache_bytes(self) -> int:
+        return self._cpu_bytes
+
+    @property
+    def pool_bytes_used(self) -> int:
+        return self.pool.used_pages * self.pool.page_bytes
+
+    @property
+    def pool_bytes_total(self) -> int:
+        return self.pool.num_pages * self.pool.page_bytes
+
+    def counters(self) -> dict[str, AdapterCounters]:
+        """Per registered adapter, its load/eviction counts (copies)."""
+        return {name: AdapterCounters(**vars(entry.counters)) for name, entry in self._registry.items()}
+
+    def close(self) -> None:
+        """Stop the worker thread (pending reads are dropped)."""
+        self._reader.shutdown(wait=False, cancel_futures=True)

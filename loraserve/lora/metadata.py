@@ -1,38 +1,46 @@
-"""Per-step LoRA metadata on the host: which slot each token uses, and the tokens grouped by slot.
+"""Per-step LoRA metadata on the host: the step's distinct adapters in slots, and the tokens grouped by slot.
 
 The grouping (kernels/lora_meta.LoRAMeta) is computed with numpy, written into
 a pinned staging buffer and sent to static device buffers with one
 non-blocking copy, so a step needs no GPU sort and no host sync, and CUDA
 graphs captured once keep reading the same device addresses. The builder also
-owns the split-K shrink's tile counters.
+owns the split-K shrink's tile counters; the page table it hands the kernels
+belongs to the adapter pool.
 """
 import numpy as np
 import torch
 
-from loraserve.kernels.lora_meta import COUNTER_BLOCK_M, COUNTER_ROW_TILES, LoRAMeta
+from loraserve.kernels.lora_meta import COUNTER_BLOCK_M, COUNTER_ROW_TILES, TILE_BLOCKS, LoRAMeta
+
+MAX_TILE_INDEX = 1 << 16  # a tile map entry holds the tile within its slot in 16 bits
 
 
 class LoRAMetaBuilder:
     """Owns the static metadata buffers and refills them each step.
 
-    The device buffer is one int32 vector whose views are the LoRAMeta fields,
-    so a step costs one host->device copy. Two pinned staging buffers are used
-    in turn; before one is overwritten, the event recorded after its previous
-    copy is awaited, so a copy still in flight is never corrupted. The copy is
-    issued on the current stream, ahead of the kernels that read the metadata.
-    The tile counters are zeroed once here and never copied over.
+    `page_table` ([A, max_pages] int32 on the device, the pool's): adapter ids are its rows. `max_loras`: the
+    most distinct adapters one step holds (the slots). The device buffer is one int32 vector whose views are
+    the LoRAMeta fields, so a step costs one host->device copy. Two pinned staging buffers are used in turn;
+    before one is overwritten, the event recorded after its previous copy is awaited, so a copy still in
+    flight is never corrupted. The copy is issued on the current stream, ahead of the kernels that read the
+    metadata. The tile counters are zeroed once here and never copied over.
     """
 
-    def __init__(self, max_tokens: int, max_loras: int, device):
+    def __init__(self, max_tokens: int, max_loras: int, page_table: torch.Tensor):
         if max_tokens < 1 or max_loras < 1:
             raise ValueError(
                 f"max_tokens and max_loras must be >= 1, got {max_tokens}, {max_loras}")
+        if max_tokens >= MAX_TILE_INDEX * min(TILE_BLOCKS):
+            raise ValueError(f"max_tokens must be below {MAX_TILE_INDEX * min(TILE_BLOCKS)}, got {max_tokens}")
         self.max_tokens = max_tokens
         self.max_loras = max_loras
-        self.device = torch.device(device)
-        size = 2 * max_tokens + 2 * max_loras
+        self.num_ids = page_table.shape[0]
+        self.device = page_table.device
+        # the tile maps' lengths: at most this many non-empty tiles (the slots' and the base group's)
+        self._map_sizes = [-(-max_tokens // bm) + min(max_loras, max_tokens) + 1 for bm in TILE_BLOCKS]
+        size = 2 * max_tokens + 3 * (max_loras + 1) + sum(self._map_sizes)
         is_cuda = self.device.type == "cuda"
-        # buf: [2*Tmax + 2*L] int32 = token_slots | sorted_token_ids | slot_start | slot_count
+        # buf: [size] int32 = token_slots | sorted_token_ids | slot_start | slot_count | slot_adapter | tile maps
         self._device_buf = torch.full((size,), -1, dtype=torch.int32, device=self.device)
         self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=is_cuda)
                          for _ in range(2 if is_cuda else 1)]
@@ -41,43 +49,67 @@ class LoRAMetaBuilder:
         # counters: [cdiv(Tmax, 16) + min(L, Tmax), COUNTER_ROW_TILES], one per shrink output tile
         tiles = -(-max_tokens // COUNTER_BLOCK_M) + min(max_loras, max_tokens)
         counters = torch.zeros(tiles, COUNTER_ROW_TILES, dtype=torch.int32, device=self.device)
-        self.meta = LoRAMeta(*self._split(self._device_buf), counters)
+        *fields, maps = self._split(self._device_buf)
+        self.meta = LoRAMeta(*fields, maps, page_table, counters)
 
     def _split(self, buf):
-        t, n = self.max_tokens, self.max_loras
-        return buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n], buf[2 * t + n:]
+        """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps)."""
+        t, n = self.max_tokens, self.max_loras + 1
+        views = [buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n], buf[2 * t + n:2 * t + 2 * n],
+                 buf[2 * t + 2 * n:2 * t + 3 * n]]
+        offset, maps = 2 * t + 3 * n, []
+        for size in self._map_sizes:
+            maps.append(buf[offset:offset + size])
+            offset += size
+        return (*views, tuple(maps))
 
-    def build(self, token_slots: np.ndarray) -> LoRAMeta:
-        """Write the metadata of one step; token_slots: [T] ints in [-1, max_loras)."""
-        slots = np.asarray(token_slots)
-        if slots.ndim != 1:
-            raise ValueError(f"token_slots must be 1-D, got shape {slots.shape}")
-        if slots.size and not np.issubdtype(slots.dtype, np.integer):
-            raise ValueError(f"token_slots must hold integers, got {slots.dtype}")
-        t = slots.shape[0]
+    def build(self, token_adapters: np.ndarray) -> LoRAMeta:
+        """Write the metadata of one step; token_adapters: [T] adapter ids (rows of the page table), -1 = none.
+        The step's distinct adapters take slots 0, 1, ... in increasing id order."""
+        ids = np.asarray(token_adapters)
+        if ids.ndim != 1:
+            raise ValueError(f"token_adapters must be 1-D, got shape {ids.shape}")
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_adapters must hold integers, got {ids.dtype}")
+        t = ids.shape[0]
         if t > self.max_tokens:
             raise ValueError(f"{t} tokens exceed max_tokens={self.max_tokens}")
-        if t and (slots.min() < -1 or slots.max() >= self.max_loras):
-            raise ValueError(
-                f"token slots must lie in [-1, {self.max_loras}), "
-                f"got [{slots.min()}, {slots.max()}]")
-        slots = slots.astype(np.int64, copy=False)
+        if t and (ids.min() < -1 or ids.max() >= self.num_ids):
+            raise ValueError(f"adapter ids must lie in [-1, {self.num_ids}), got [{ids.min()}, {ids.max()}]")
+        adapters, slots = np.unique(ids, return_inverse=True)  # adapters: [k] sorted ids (-1 first if present)
+        if t and adapters[0] < 0:
+            adapters = adapters[1:]
+            slots = slots - 1  # the base tokens' -1 stays -1
+        if adapters.size > self.max_loras:
+            raise ValueError(f"{adapters.size} distinct adapters in one step exceed max_loras={self.max_loras}")
 
         index = self._next
         self._next = (index + 1) % len(self._staging)
         if self._copy_done[index] is not None:
             self._copy_done[index].synchronize()
         staging = self._staging[index]
-        ts, sorted_ids, start, count = (v.numpy() for v in self._split(staging))
+        *fields, maps = self._split(staging)
+        ts, sorted_ids, start, count, adapter = (v.numpy() for v in fields)
 
-        # keys: [T], base tokens sort after every slot
+        # keys: [T], base tokens sort after every slot (the base group is slot L)
         keys = np.where(slots < 0, self.max_loras, slots)
         ts[:t] = slots
         ts[t:] = -1
         sorted_ids[:t] = np.argsort(keys, kind="stable")
         sorted_ids[t:] = -1
-        count[:] = np.bincount(keys, minlength=self.max_loras + 1)[:self.max_loras]
+        count[:] = np.bincount(keys, minlength=self.max_loras + 1)
         start[:] = np.cumsum(count) - count
+        adapter[:adapters.size] = adapters
+        adapter[adapters.size:] = -1
+        groups = np.arange(self.max_loras + 1, dtype=np.int64)
+        for bm, tile_map in zip(TILE_BLOCKS, maps):
+            tiles = -(-count.astype(np.int64) // bm)  # [L+1] tiles per slot
+            first = np.cumsum(tiles) - tiles
+            total = int(tiles.sum())
+            slot_of = np.repeat(groups, tiles)  # [total]
+            codes = tile_map.numpy()
+            codes[:total] = (slot_of << 16) | (np.arange(total) - np.repeat(first, tiles))
+            codes[total:] = -1
 
         self._device_buf.copy_(staging, non_blocking=True)
         if self._copy_done[index] is not None:

@@ -16,6 +16,7 @@ import torch
 from loraserve.kernels.launch import BoundLaunch
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, expand_grid, lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
+from loraserve.kernels.lora_reference import rank_max
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, shrink_grid
 
 # Steps of up to this many tokens compute the LoRA products beside the base GEMMs (on the side stream);
@@ -99,7 +100,7 @@ class BoundLoRADelta:
 
 
 def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               slot_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]
+               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]
                ) -> tuple[torch.Tensor, BoundLoRADelta]:
     """delta: [T, N] = LoRA(x: [T, in]) in scratch (zeros for tokens without an adapter), launched now
     on the current stream (CUDA), and a BoundLoRADelta that launches the same for another x.
@@ -107,15 +108,16 @@ def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora
     0 < T <= scratch.max_tokens. The delta is a view of the scratch: valid until the next call with it.
     """
     num_tokens, hidden = x.shape
-    num_loras, sr, _ = lora_a.shape
-    n_out = lora_b.shape[1]
+    num_loras = meta.slot_count.shape[0]
+    sr = (len(slice_offsets) - 1) * rank_max(meta)
+    n_out = lora_b.shape[2]
     if not 0 < num_tokens <= scratch.max_tokens:
         raise ValueError(f"{num_tokens} tokens: the LoRA scratch holds 1..{scratch.max_tokens}")
     shrink_cfg, expand_cfg = shrink_config(num_tokens, hidden, sr), expand_config(num_tokens)
     delta, inter = scratch.delta_view(num_tokens, n_out), scratch.inter_view(num_tokens, sr)
     partials = scratch.partials_view(shrink_cfg.split_k, num_tokens, sr)
-    shrink = lora_shrink(x, lora_a, slot_rank, meta, len(slice_offsets) - 1, inter, partials=partials, bind=True)
-    expand = lora_expand(inter, lora_b, slot_rank, meta, slice_offsets, delta, overwrite=True, after_shrink=True,
+    shrink = lora_shrink(x, lora_a, lora_rank, meta, len(slice_offsets) - 1, inter, partials=partials, bind=True)
+    expand = lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, delta, overwrite=True, after_shrink=True,
                          bind=True)
     return delta, BoundLoRADelta(shrink, expand, shrink_cfg, expand_cfg, meta, scratch, sr, n_out, num_loras)
 

@@ -35,7 +35,7 @@ def batch_buckets(max_batch: int) -> list[int]:
 
 class GraphInputs(NamedTuple):
     """The decode graphs' static inputs for up to B rows: views of one int32 vector laid out as
-    input_ids [B] | positions [B] | slot_mapping [B] | seq_lens [B] | token_lora_slots [B] | block_tables [B, MB].
+    input_ids [B] | positions [B] | slot_mapping [B] | seq_lens [B] | token_adapters [B] | block_tables [B, MB].
     The same layout serves the device buffer and the pinned host buffers it is copied from (the LoRA
     slots go from there into the LoRA metadata; on the device they are not read)."""
 
@@ -43,7 +43,7 @@ class GraphInputs(NamedTuple):
     positions: torch.Tensor  # [B]
     slot_mapping: torch.Tensor  # [B]
     seq_lens: torch.Tensor  # [B]
-    token_lora_slots: torch.Tensor  # [B]
+    token_adapters: torch.Tensor  # [B]
     block_tables: torch.Tensor  # [B, MB]
 
     @staticmethod
@@ -174,4 +174,4 @@ class CUDAGraphRunner:
         self._device_buf[:used].copy_(self._staging[index][:used], non_blocking=True)
         self._copy_done[index].record()
         if self.lora is not None:
-            self.lora.write_metadata(host.token_lora_slots[:bucket])
+            self.lora.write_metadata(host.token_adapters[:bucket])

@@ -99,8 +99,8 @@ class ModelRunner:
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
             max_query_len=inputs.max_query_len, is_decode=inputs.is_decode)
         lora = None
-        if self.lora is not None and (inputs.token_lora_slots >= 0).any():
-            lora = self.lora.for_step(inputs.token_lora_slots)
+        if self.lora is not None and (inputs.token_adapters >= 0).any():
+            lora = self.lora.for_step(inputs.token_adapters)
         input_ids = self._to_device(inputs.input_ids)
         if fill is not None:
             fill.apply(input_ids)
@@ -108,11 +108,11 @@ class ModelRunner:
         return hidden[self._to_device(inputs.logits_rows)]
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, lora_slots: dict[str, int],
+    def execute(self, out: SchedulerOutput, lora_ids: dict[str, int],
                 in_flight: LaunchedStep | None = None) -> LaunchedStep:
-        """Launch the step without waiting for it (lora_slots: adapter name -> GPU slot). Input tokens that
+        """Launch the step without waiting for it (lora_ids: adapter name -> its id in the GPU adapter pool). Input tokens that
         are still pending on the host are taken from `in_flight`'s samples on the device."""
-        inputs = StepInputs.prepare(out.scheduled, lora_slots, self.block_size)
+        inputs = StepInputs.prepare(out.scheduled, lora_ids, self.block_size)
         samples = in_flight.samples if in_flight is not None else None
         fill = PendingTokenFill.find(inputs, out.scheduled, in_flight.sequences if in_flight else [],
                                      samples.tokens if samples is not None else None)

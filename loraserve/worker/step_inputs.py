@@ -26,7 +26,7 @@ class StepInputs:
     block_tables: np.ndarray  # [S, MB] int32
     seq_lens: np.ndarray  # [S] int32: context length after the step
     query_start_loc: np.ndarray  # [S+1] int32
-    token_lora_slots: np.ndarray  # [T] int32, -1 = base
+    token_adapters: np.ndarray  # [T] int32 adapter id in the pool, -1 = base
     logits_rows: np.ndarray  # [N] int64: rows whose hidden state is sampled
     max_query_len: int
 
@@ -39,9 +39,9 @@ class StepInputs:
         return self.max_query_len == 1
 
     @classmethod
-    def prepare(cls, scheduled: list[ScheduledSequence], lora_slots: dict[str, int], block_size: int
+    def prepare(cls, scheduled: list[ScheduledSequence], lora_ids: dict[str, int], block_size: int
                 ) -> StepInputs:
-        """The inputs of a scheduled step; lora_slots: adapter name -> its GPU slot.
+        """The inputs of a scheduled step; lora_ids: adapter name -> its id in the GPU adapter pool.
 
         Per sequence only Python list work (its token ids, its block table row); the per-token arrays are
         computed with a few whole-step numpy operations."""
@@ -60,16 +60,16 @@ class StepInputs:
         row = np.repeat(np.arange(len(seqs)), counts_np)  # [T] the sequence of each token
         positions = np.arange(len(ids), dtype=np.int64) - query_start_loc[:-1][row] + starts_np[row]
         slot_mapping = tables[row, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        seq_slots = np.array([lora_slots[seq.lora_name] if seq.lora_name is not None else -1 for seq in seqs],
+        seq_ids = np.array([lora_ids[seq.lora_name] if seq.lora_name is not None else -1 for seq in seqs],
                              dtype=np.int32)
         samples = np.array([item.samples for item in scheduled], dtype=bool)
         return cls(np.asarray(ids, np.int64), positions, slot_mapping, tables,
-                   (starts_np + counts_np).astype(np.int32), query_start_loc, seq_slots[row],
+                   (starts_np + counts_np).astype(np.int32), query_start_loc, seq_ids[row],
                    query_start_loc[1:][samples].astype(np.int64) - 1, max(counts))
 
     def pad_into(self, out, bucket: int, dummy_block: int, block_size: int) -> None:
         """Write this decode step, padded to `bucket` rows, into rows [0, bucket) of `out`'s input_ids,
-        positions, slot_mapping, seq_lens, token_lora_slots and block_tables (numpy arrays at least that
+        positions, slot_mapping, seq_lens, token_adapters and block_tables (numpy arrays at least that
         long, block_tables at least as wide as this step's): the CUDA graphs' padding rule.
 
         Padding rows have token 0, position 0, seq_len 0 and LoRA slot -1, and write their K/V into the
@@ -82,7 +82,7 @@ class StepInputs:
         out.positions[:n], out.positions[n:bucket] = self.positions, 0
         out.slot_mapping[:n], out.slot_mapping[n:bucket] = self.slot_mapping, dummy_block * block_size
         out.seq_lens[:n], out.seq_lens[n:bucket] = self.seq_lens, 0
-        out.token_lora_slots[:n], out.token_lora_slots[n:bucket] = self.token_lora_slots, -1
+        out.token_adapters[:n], out.token_adapters[n:bucket] = self.token_adapters, -1
         out.block_tables[:bucket] = dummy_block
         out.block_tables[:n, :self.block_tables.shape[1]] = self.block_tables
 

@@ -10,6 +10,18 @@ from loraserve.engine.scheduler import Scheduler
 from loraserve.sampling_params import SamplingParams
 
 
+class FakeRoom:
+    """The GPU adapter pool as the scheduler sees it: `num_pages` pages, each adapter's pages (default 1)."""
+
+    def __init__(self, num_pages=10_000, pages=None, pinned=()):
+        self.num_pages = num_pages
+        self._pages = dict(pages or {})
+        self.pinned = frozenset(pinned)
+
+    def pages_of(self, name):
+        return self._pages.get(name, 1)
+
+
 def _seq(i, prompt_len, max_tokens, lora=None):
     return Sequence(f"r{i}", None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), i, lora)
 
@@ -22,7 +34,11 @@ def _check_invariants(sched: Scheduler, out, config: SchedulerConfig, max_loras:
     assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
     assert out.num_tokens <= config.max_num_batched_tokens
     assert len(sched.running) <= config.max_num_seqs
-    assert len({s.lora_name for s in sched.running if s.lora_name}) <= max_loras
+    active = {s.lora_name for s in sched.running if s.lora_name}
+    assert len(active) <= max_loras
+    room = sched._room
+    if room is not None:
+        assert sum(room.pages_of(n) for n in active | room.pinned) <= room.num_pages, "adapters overflow the pool"
     for item in out.scheduled:
         s = item.seq
         assert s.status is SequenceStatus.RUNNING
@@ -46,7 +62,7 @@ def test_random_requests_with_aborts_leak_no_blocks(seed):
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256)
     bm = BlockManager(num_blocks=40, block_size=8)
-    sched = Scheduler(config, bm, LoRAConfig(max_loras=2))
+    sched = Scheduler(config, bm, LoRAConfig(max_loras=2), FakeRoom())
     pending = [_seq(i, rng.randint(1, 100), rng.randint(1, 40), rng.choice([None, "a", "b", "c", "d"]))
                for i in range(1000)]
     finished, aborted, steps = [], [], 0
@@ -73,7 +89,7 @@ def test_preemption_under_tiny_kv_budget_completes_everything():
     rng = random.Random(3)
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64)
     bm = BlockManager(num_blocks=10, block_size=8)  # 80 tokens: a few sequences at most
-    sched = Scheduler(config, bm, LoRAConfig(max_loras=4))
+    sched = Scheduler(config, bm, LoRAConfig(max_loras=4), FakeRoom())
     seqs = [_seq(i, rng.randint(5, 30), rng.randint(5, 30)) for i in range(30)]
     for s in seqs:
         sched.add(s)
@@ -89,7 +105,7 @@ def test_preemption_under_tiny_kv_budget_completes_everything():
 
 def test_chunked_prefill_respects_token_budget():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=256)
-    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1))
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1), FakeRoom())
     seq = _seq(0, 50, 2)
     sched.add(seq)
     chunks = []
@@ -104,7 +120,7 @@ def test_chunked_prefill_respects_token_budget():
 
 def test_a_request_without_a_slot_never_blocks_the_requests_behind_it():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1))
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=1), FakeRoom())
     a, b, a2, base = _seq(0, 4, 4, "a"), _seq(1, 4, 4, "b"), _seq(2, 4, 4, "a"), _seq(3, 4, 4)
     for s in (a, b, a2, base):
         sched.add(s)
@@ -120,7 +136,7 @@ def test_a_request_without_a_slot_never_blocks_the_requests_behind_it():
 
 def test_pinned_adapters_take_slots():
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
-    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=2), pinned_loras=lambda: {"p"})
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=2), FakeRoom(pinned={"p"}))
     sched.add(_seq(0, 4, 4, "a"))
     sched.add(_seq(1, 4, 4, "b"))
     sched.add(_seq(2, 4, 4, "p"))
@@ -166,7 +182,7 @@ def test_many_adapters_over_few_slots_take_about_the_ideal_number_of_steps():
     request."""
     rng = random.Random(5)
     config = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=64, max_model_len=64)
-    sched = Scheduler(config, BlockManager(400, 8), LoRAConfig(max_loras=4))
+    sched = Scheduler(config, BlockManager(400, 8), LoRAConfig(max_loras=4), FakeRoom())
     seqs = [_seq(i, 4, 8, f"a{i % 24}") for i in range(96)]
     rng.shuffle(seqs)
     for seq in seqs:
@@ -181,7 +197,7 @@ def test_a_cold_adapter_behind_a_hot_flood_gets_a_slot_in_bounded_steps():
     adapter still runs within about max_wait_steps plus one hot request's length."""
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=64)
     lora = LoRAConfig(max_loras=2, max_wait_steps=8)
-    sched = Scheduler(config, BlockManager(2000, 8), lora)
+    sched = Scheduler(config, BlockManager(2000, 8), lora, FakeRoom())
     flood_steps, max_tokens = 60, 10
     arrivals = {t: [_seq(1000 + 2 * t, 4, max_tokens, "h0"), _seq(1001 + 2 * t, 4, max_tokens, "h1")]
                 for t in range(flood_steps)}
@@ -197,10 +213,39 @@ def test_pinned_adapters_are_never_drained():
     pinned adapter."""
     config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=64)
     lora = LoRAConfig(max_loras=2, max_wait_steps=4)
-    sched = Scheduler(config, BlockManager(2000, 8), lora, pinned_loras=lambda: {"p"})
+    sched = Scheduler(config, BlockManager(2000, 8), lora, FakeRoom(pinned={"p"}))
     arrivals = {t: [_seq(1000 + 2 * t, 4, 6, "p"), _seq(1001 + 2 * t, 4, 6, "hot")] for t in range(40)}
     arrivals[2].append(_seq(0, 4, 6, "cold"))
     _, first_run = _run_to_completion(sched, config, 2, arrivals)
     assert first_run["r0"] - 2 <= lora.max_wait_steps + 6 + 2
     p_steps = sorted(first_run[s.request_id] for t in range(40) for s in arrivals[t] if s.lora_name == "p")
     assert p_steps == list(range(40))  # every request of the pinned adapter ran in the step it arrived
+
+
+def test_adapters_share_the_pool_by_their_pages():
+    """A pool of 8 pages and adapters of 1, 2 and 4 pages (ranks 8, 16, 32): the running adapters never
+    overflow it, small adapters are admitted past a big one that does not fit, and the big one runs
+    within a bounded wait (the others drained for it); every request finishes."""
+    config = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, max_model_len=64)
+    lora = LoRAConfig(max_loras=64, max_wait_steps=6)
+    pages = {f"s{i}": 1 for i in range(6)} | {f"m{i}": 2 for i in range(3)} | {"big": 8}
+    sched = Scheduler(config, BlockManager(4000, 8), lora, FakeRoom(num_pages=8, pages=pages))
+    names = [f"s{i}" for i in range(6)] + [f"m{i}" for i in range(3)]
+    arrivals = {t: [_seq(1000 + 10 * t + j, 4, 6, names[(t + j) % len(names)]) for j in range(3)]
+                for t in range(40)}
+    arrivals[3].append(_seq(0, 4, 6, "big"))
+    _, first_run = _run_to_completion(sched, config, 64, arrivals)
+    assert len(first_run) == 3 * 40 + 1
+    assert first_run["r0"] - 3 <= lora.max_wait_steps + 6 + 2
+    # the small adapters kept running while the big one could not fit
+    assert any(first_run[s.request_id] == 3 for s in arrivals[3] if s.lora_name != "big")
+
+
+def test_waiting_loras_lists_the_adapters_to_load_ahead():
+    config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64)
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=4), FakeRoom())
+    for i, name in enumerate(["a", None, "b", "a", "c", "d"]):
+        sched.add(_seq(i, 4, 4, name))
+    sched.schedule()  # "a" runs (one sequence at most)
+    assert sched.waiting_loras(limit=2) == ["b", "c"]
+    assert sched.waiting_loras(limit=10) == ["b", "c", "d"]

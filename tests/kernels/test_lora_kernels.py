@@ -3,8 +3,10 @@
 On a machine without CUDA the kernels run in Triton's interpreter on CPU
 tensors (tests/conftest.py sets TRITON_INTERPRET); with CUDA, on the GPU.
 
-Weights beyond each slot's rank and the weights of empty slots are NaN, so a
-kernel that reads them fails; the shrink output is poisoned with NaN and every
+The adapters' weights sit in a paged pool with their pages scattered among
+spare ones and adapter ids that differ from their slots. Weights beyond each
+adapter's rank, spare pages and the pages that unused page-table entries point
+to are NaN, so a kernel that reads them fails; the shrink output is poisoned with NaN and every
 element that lora_expand reads is checked; the expand output is random and
 every element is checked (rows without an adapter bit for bit). The reference
 itself is checked against a per-token float64 loop. The split-K shrink's
@@ -20,9 +22,10 @@ import torch
 
 from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
-from loraserve.kernels.lora_meta import COUNTER_ROW_TILES
+from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
+from loraserve.kernels.lora_reference import rank_max as inter_rank
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.side_stream import LoRAScratch, lora_delta
@@ -51,40 +54,69 @@ def assign_slots(kind, num_tokens, adapter_slots, base_fraction, gen):
 
 
 def make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device, gen):
-    """lora_a: [L, S*R, in], lora_b: [L, N, R], slot_rank: [L]; NaN beyond each rank."""
+    """Adapters 0..L-1 with ranks[l] (NaN beyond it) in a paged pool. Returns a dict:
+    a: [P, S*PAGE_RANK, in], b: [P, PAGE_RANK, N] the pool, with spare NaN pages; rank: [A] int32 per id;
+    table: [A, max_pages] int32 (unused entries point to a NaN page); ids: [L] adapter l's id (A = L + 2);
+    dense_a: [L, S*R, in], dense_b: [L, N, R] the same weights unpaged (for per-token loops)."""
     num_slices, n_out = len(slice_sizes), sum(slice_sizes)
     a = torch.randn(num_loras, num_slices, rank_max, hidden, generator=gen) / math.sqrt(hidden)
     b = torch.randn(num_loras, n_out, rank_max, generator=gen) / math.sqrt(rank_max)
     for slot, rank in enumerate(ranks):
         a[slot, :, rank:] = float("nan")
         b[slot, :, rank:] = float("nan")
-    a = a.view(num_loras, num_slices * rank_max, hidden).to(device, dtype)
-    slot_rank = torch.tensor(ranks, dtype=torch.int32, device=device)
-    return a, b.to(device, dtype), slot_rank
+    need = [cdiv(r, PAGE_RANK) for r in ranks]
+    num_pages = sum(need) + 3
+    free = torch.randperm(num_pages, generator=gen).tolist()
+    nan_page = free.pop()
+    num_ids = num_loras + 2
+    ids = torch.randperm(num_ids, generator=gen)[:num_loras].tolist()
+    a_pool = torch.full((num_pages, num_slices * PAGE_RANK, hidden), float("nan"))
+    b_pool = torch.full((num_pages, PAGE_RANK, n_out), float("nan"))
+    table = torch.full((num_ids, cdiv(rank_max, PAGE_RANK)), nan_page, dtype=torch.int32)
+    rank = torch.zeros(num_ids, dtype=torch.int32)
+    for slot, r in enumerate(ranks):
+        rank[ids[slot]] = r
+        for p in range(need[slot]):
+            page = free.pop()
+            table[ids[slot], p] = page
+            rows = range(p * PAGE_RANK, min((p + 1) * PAGE_RANK, rank_max))
+            for s in range(num_slices):
+                a_pool[page, s * PAGE_RANK:s * PAGE_RANK + len(rows)] = a[slot, s, rows.start:rows.stop]
+            b_pool[page, :len(rows)] = b[slot, :, rows.start:rows.stop].T
+    return dict(a=a_pool.to(device, dtype), b=b_pool.to(device, dtype), rank=rank.to(device),
+                table=table.to(device), ids=ids,
+                dense_a=a.view(num_loras, num_slices * rank_max, hidden), dense_b=b)
 
 
 def offsets_of(slice_sizes):
     return tuple(int(v) for v in np.concatenate([[0], np.cumsum(slice_sizes)]))
 
 
+def meta_of(pool, slots, builder):
+    """Build the step's metadata for tokens of adapters `slots` ([T] adapter indices, -1 = none)."""
+    ids = np.asarray(pool["ids"] + [-1], dtype=np.int64)[np.asarray(slots, dtype=np.int64)]
+    return builder.build(ids)
+
+
 def make_case(seed, hidden, slice_sizes, rank_max, num_loras, num_tokens, kind, base_fraction,
               dtype=torch.float32, device=DEVICE, max_tokens=None):
-    """Random weights, ranks (one slot may be empty), inputs and metadata for one test case."""
+    """Random weights, ranks (one adapter may have rank 0), inputs and metadata for one test case.
+    "slots" are adapter indices 0..L-1 here (the builder gives them slots of its own)."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
     ranks = [int(r) for r in rng.integers(1, rank_max + 1, num_loras)]
     ranks[0] = rank_max
     if num_loras > 2:
         ranks[-1] = 0
-    a, b, slot_rank = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device,
-                                   gen)
-    adapters = rng.permutation(num_loras)  # may include the empty slot
+    pool = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device, gen)
+    adapters = rng.permutation(num_loras)  # may include the rank-0 adapter
     slots = assign_slots(kind, num_tokens, adapters, base_fraction, rng)
-    builder = LoRAMetaBuilder(max_tokens or num_tokens + 3, num_loras, device)
-    meta = builder.build(slots)
+    builder = LoRAMetaBuilder(max_tokens or num_tokens + 3, num_loras, pool["table"])
+    meta = meta_of(pool, slots, builder)
     x = torch.randn(num_tokens, hidden, generator=gen).to(device, dtype)
-    return dict(a=a, b=b, slot_rank=slot_rank, ranks=ranks, slots=slots, meta=meta, x=x,
-                offsets=offsets_of(slice_sizes), num_slices=len(slice_sizes), gen=gen)
+    return dict(a=pool["a"], b=pool["b"], slot_rank=pool["rank"], ranks=ranks, slots=slots, meta=meta, x=x,
+                offsets=offsets_of(slice_sizes), num_slices=len(slice_sizes), gen=gen, pool=pool,
+                builder=builder)
 
 
 def poisoned_inter(case, rank_max):
@@ -144,6 +176,9 @@ CASES = [
     (64, (30, 34), 5, 4, 26, "identical", 0.2, None, NARROW_EXPAND),
     (300, (48, 24, 24), 40, 3, 12, "uniform", 0.1, None, NARROW_EXPAND),  # 3 rank steps; K split 2 ways
     (64, (200, 56), 24, 3, 21, "skewed", 0.1, SPLIT_SHRINK, WIDE_DECODE_EXPAND),
+    # more adapters than LOOSE_TILES: the token-axis programs take several tiles each
+    (64, (48, 16), 16, 24, 40, "distinct", 0.1, None, None),
+    (72, (40,), 8, 20, 100, "uniform", 0.2, PREFILL, PREFILL),
 ]
 
 
@@ -151,16 +186,16 @@ CASES = [
 def test_kernels_match_reference(index):
     hidden, sizes, rank_max, num_loras, t, kind, base, s_cfg, e_cfg = CASES[index]
     case = make_case(100 + index, hidden, sizes, rank_max, num_loras, t, kind, base)
+    rank_max = inter_rank(case["meta"])  # the intermediate's rank width: whole pages
     if s_cfg == PREFILL:
         s_cfg = shrink_config(4096, hidden, len(sizes) * rank_max)
     if e_cfg == PREFILL:
         e_cfg = expand_config(4096)
-    token_slots = case["meta"].token_slots
 
     out = torch.full((t, len(sizes) * rank_max), float("nan"), device=DEVICE)
     lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out,
                 s_cfg)
-    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], token_slots, case["num_slices"])
+    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"])
     check_shrink_result(case, out, ref, rank_max)
 
     inter = poisoned_inter(case, rank_max)
@@ -169,7 +204,7 @@ def test_kernels_match_reference(index):
     y = wide[:, 4:4 + sum(sizes)]  # a column range of a wider output
     lora_expand(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y, e_cfg)
     y_ref = before[:, 4:4 + sum(sizes)].clone()
-    lora_expand_ref(inter, case["b"], case["slot_rank"], token_slots, case["offsets"], y_ref)
+    lora_expand_ref(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_ref)
     check_expand_result(case, before[:, 4:4 + sum(sizes)], y, y_ref)
     assert torch.equal(wide[:, :4], before[:, :4]) and torch.equal(wide[:, -5:], before[:, -5:])
 
@@ -195,8 +230,8 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
     case = make_case(7, hidden, (40, 16, 16), 16, 4, 24, kind, 0.2, max_tokens=64)
     y0 = torch.randn(24, 72, generator=case["gen"]).to(DEVICE)
     args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
-    a_clean = torch.nan_to_num(case["a"]).cpu()
-    b_clean = torch.nan_to_num(case["b"]).cpu()
+    a_clean = torch.nan_to_num(case["pool"]["dense_a"])
+    b_clean = torch.nan_to_num(case["pool"]["dense_b"])
     expected = y0.cpu().double() + naive_lora(case["x"].cpu(), a_clean, b_clean, case["ranks"],
                                               case["slots"], case["offsets"])
 
@@ -221,7 +256,8 @@ def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens):
     and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes)."""
     case = make_case(8, 72, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.3, max_tokens=80)
     slot_rank = case["slot_rank"].clone()
-    slot_rank[int(np.max(case["slots"]))] = 0  # an adapter that does not target this layer
+    off = int(np.max(case["slots"]))
+    slot_rank[case["pool"]["ids"][off]] = 0  # an adapter that does not target this layer
     args = (case["a"], case["b"], slot_rank, case["meta"], case["offsets"])
     delta = torch.full((num_tokens, 72), float("nan"), device=DEVICE)
     inter = torch.empty(num_tokens, 3 * 16, device=DEVICE)
@@ -230,7 +266,8 @@ def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens):
     want = torch.zeros(num_tokens, 72, device=DEVICE)
     lora_apply_ref(case["x"], want, *args)
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
-    zero_rows = [i for i, s in enumerate(np.asarray(case["slots"]).tolist()) if s < 0 or slot_rank[s] == 0]
+    zero_rows = [i for i, s in enumerate(np.asarray(case["slots"]).tolist()) if s < 0 or s == off
+                 or case["ranks"][s] == 0]
     assert torch.equal(delta[zero_rows], torch.zeros_like(delta[zero_rows]))
 
 
@@ -249,7 +286,7 @@ def shrink_partials(x, a, slot_rank, meta, num_slices, cfg: ShrinkConfig) -> tor
     kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial."""
     k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     one_split = ShrinkConfig(cfg.block_m, cfg.block_n, cfg.block_k, 1, cfg.num_warps, cfg.num_stages)
-    parts = torch.full((cfg.split_k, x.shape[0], a.shape[1]), float("nan"), device=x.device)
+    parts = torch.full((cfg.split_k, x.shape[0], num_slices * inter_rank(meta)), float("nan"), device=x.device)
     for p in range(cfg.split_k):
         k = slice(p * k_per_split, min((p + 1) * k_per_split, x.shape[1]))
         lora_shrink(x[:, k], a[:, :, k], slot_rank, meta, num_slices, parts[p], one_split)
@@ -280,22 +317,23 @@ def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
         assert torch.equal(out[defined], expected[defined])
         first = out if first is None else first
         assert torch.equal(out[defined], first[defined])
-    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], meta.token_slots, 3)
+    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], meta, 3)
     check_shrink_result(case, first, ref, 16)
 
 
 def test_lora_apply_reuses_the_counters_across_sizes():
     """Launches of different T (decode and prefill shapes, K split 5 and 2 ways) on one builder
     leave the counters at zero and each matches the reference."""
-    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, device=DEVICE)
-    assert builder.meta.tile_counters.shape == (5 + 4, COUNTER_ROW_TILES)
     rng = np.random.default_rng(4)
     gen = torch.Generator().manual_seed(4)
-    a, b, slot_rank = make_weights(4, (40, 32), 16, 1030, [16, 5, 0, 8], torch.float32, DEVICE, gen)
+    pool = make_weights(4, (40, 32), 16, 1030, [16, 5, 0, 8], torch.float32, DEVICE, gen)
+    a, b, slot_rank = pool["a"], pool["b"], pool["rank"]
+    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, page_table=pool["table"])
+    assert builder.meta.tile_counters.shape == (5 + 4, COUNTER_ROW_TILES)
     offsets = offsets_of((40, 32))
     for num_tokens in (1, 70, 24, 70, 3):
         slots = rng.integers(-1, 4, num_tokens)
-        meta = builder.build(slots)
+        meta = meta_of(pool, slots, builder)
         x = torch.randn(num_tokens, 1030, generator=gen).to(DEVICE)
         y0 = torch.randn(num_tokens, 72, generator=gen).to(DEVICE)
         y_kernel, y_ref = y0.clone(), y0.clone()
@@ -310,17 +348,18 @@ def test_bound_lora_delta_serves_later_steps_of_its_shape():
     """lora_delta launches into the static scratch and binds; the bound launches serve later steps of
     the same kernel shapes (other T, other x), and refuse other shapes and another metadata buffer.
     Every delta is checked against the reference, with the scratch poisoned before each step."""
-    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, device=DEVICE)
     rng = np.random.default_rng(5)
     gen = torch.Generator().manual_seed(5)
     ranks = [16, 5, 0, 8]
-    a, b, slot_rank = make_weights(4, (40, 32), 16, 1030, ranks, torch.float32, DEVICE, gen)
+    pool = make_weights(4, (40, 32), 16, 1030, ranks, torch.float32, DEVICE, gen)
+    a, b, slot_rank = pool["a"], pool["b"], pool["rank"]
+    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, page_table=pool["table"])
     offsets = offsets_of((40, 32))
     splits = max(shrink_config(t, 1030, 32).split_k for t in (1, 80))
     scratch = LoRAScratch.allocate(80, 72, 32, splits, torch.float32, DEVICE)
     bound_list = []
     for num_tokens, expect_bound in ((24, False), (5, True), (70, False), (24, True), (70, True), (1, True)):
-        meta = builder.build(rng.integers(-1, 4, num_tokens))
+        meta = meta_of(pool, rng.integers(-1, 4, num_tokens), builder)
         x = torch.randn(num_tokens, 1030, generator=gen).to(DEVICE)
         scratch.delta.fill_(float("nan"))
         bound = next((bd for bd in bound_list if bd.fits(x, meta, scratch)), None)
@@ -335,7 +374,7 @@ def test_bound_lora_delta_serves_later_steps_of_its_shape():
         lora_apply_ref(x, want, a, b, slot_rank, meta, offsets)
         torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
         assert not meta.tile_counters.any()
-    other = LoRAMetaBuilder(max_tokens=80, max_loras=4, device=DEVICE).build(np.zeros(5, dtype=np.int64))
+    other = meta_of(pool, np.zeros(5, dtype=np.int64), LoRAMetaBuilder(80, 4, pool["table"]))
     x = torch.randn(5, 1030, generator=gen).to(DEVICE)
     assert not any(bd.fits(x, other, scratch) for bd in bound_list)
     assert not any(bd.fits(x, builder.meta, LoRAScratch.allocate(80, 72, 32, splits, torch.float32, DEVICE))
@@ -344,35 +383,46 @@ def test_bound_lora_delta_serves_later_steps_of_its_shape():
         lora_delta(torch.zeros(81, 1030, device=DEVICE), scratch, a, b, slot_rank, builder.meta, offsets)
 
 
-def test_meta_builder_groups_tokens_by_slot():
-    builder = LoRAMetaBuilder(max_tokens=50, max_loras=6, device="cpu")
+def test_meta_builder_groups_tokens_by_adapter():
+    """Distinct adapter ids take slots in increasing id order; tokens are grouped by slot in stable order."""
+    builder = LoRAMetaBuilder(max_tokens=50, max_loras=6, page_table=torch.zeros(40, 2, dtype=torch.int32))
     rng = np.random.default_rng(3)
     for t in (0, 1, 13, 50):
-        slots = rng.integers(-1, 6, t)
-        meta = builder.build(slots)
-        assert meta.token_slots[:t].tolist() == slots.tolist()
+        pick = rng.choice(40, 6, replace=False)
+        ids = np.where(rng.random(t) < 0.2, -1, pick[rng.integers(0, 6, t)])
+        meta = builder.build(ids)
+        distinct = sorted(set(ids.tolist()) - {-1})
+        assert meta.slot_adapter.tolist() == distinct + [-1] * (7 - len(distinct))  # slot 6: the base tokens
+        slots = meta.token_slots[:t].tolist()
+        assert [distinct[s] if s >= 0 else -1 for s in slots] == ids.tolist()
         assert (meta.token_slots[t:] == -1).all()
         sorted_ids = meta.sorted_token_ids.tolist()
-        for slot in range(6):
-            expected = [i for i in range(t) if slots[i] == slot]  # stable order
+        for slot in range(7):
+            expected = [i for i in range(t) if (slots[i] if slots[i] >= 0 else 6) == slot]  # stable order
             start, count = int(meta.slot_start[slot]), int(meta.slot_count[slot])
             assert count == len(expected)
             assert sorted_ids[start:start + count] == expected
         assert sorted(sorted_ids[:t]) == list(range(t))
         assert sorted_ids[t:] == [-1] * (50 - t)
         assert meta.tile_counters.shape == (4 + 6, COUNTER_ROW_TILES) and not meta.tile_counters.any()
+        counts = meta.slot_count.tolist()
+        for bm in TILE_BLOCKS:  # every non-empty tile once, slots in order, then -1
+            want = [(slot << 16) | i for slot in range(7) for i in range(-(-counts[slot] // bm))]
+            codes = meta.tile_map(bm).tolist()
+            assert codes[:len(want)] == want and set(codes[len(want):]) <= {-1}
 
 
 @pytest.mark.parametrize("bad, message", [
-    (np.array([0, 6]), "lie in"),
+    (np.array([0, 40]), "lie in"),
     (np.array([-2, 0]), "lie in"),
-    (np.zeros(51, dtype=np.int64), "exceed"),
+    (np.zeros(51, dtype=np.int64), "exceed max_tokens"),
+    (np.arange(7), "exceed max_loras"),
     (np.zeros((2, 2), dtype=np.int64), "1-D"),
     (np.array([0.5]), "integers"),
 ])
-def test_meta_builder_rejects_bad_slots(bad, message):
+def test_meta_builder_rejects_bad_ids(bad, message):
     with pytest.raises(ValueError, match=message):
-        LoRAMetaBuilder(max_tokens=50, max_loras=6, device="cpu").build(bad)
+        LoRAMetaBuilder(max_tokens=50, max_loras=6, page_table=torch.zeros(40, 2, dtype=torch.int32)).build(bad)
 
 
 def test_kernels_reject_bad_input():

@@ -1,9 +1,12 @@
 """LoRA kernels on the GPU: fp32/bf16/fp16 correctness matrix and CUDA-graph capture/replay.
 
-Same oracle and poisoning as test_lora_kernels.py (NaN beyond each rank
-and in empty slots, NaN-poisoned shrink output, random expand output, the
-elements checked as there), at real sizes: hidden up to 8192 and non-multiples of the
-tiles, ranks 1..64 mixed, 1..16 slots, T from 1 to 4096. The split-K shrink's
+Same oracle and poisoning as test_lora_kernels.py (adapters in scattered pool
+pages, NaN beyond each rank, in spare pages and behind unused page-table
+entries, NaN-poisoned shrink output, random expand output, the elements
+checked as there), at real sizes: hidden up to 14336 and non-multiples of the
+tiles, ranks 1..64 mixed, 1..16 adapters, T from 1 to 4096. CUDA graphs
+captured once follow adapters that move to other pages, change rank and
+weights between replays. The split-K shrink's
 in-launch sum (whichever program arrives last) is bit-identical launch after
 launch and graph replay after replay, and leaves its tile counters at zero.
 """
@@ -14,10 +17,11 @@ import torch
 from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
+from loraserve.kernels.lora_reference import rank_max as inter_rank
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
-                               defined_mask, make_case, make_weights, offsets_of, poisoned_inter,
+                               defined_mask, make_case, make_weights, meta_of, offsets_of, poisoned_inter,
                                shrink_partials)
 
 pytestmark = pytest.mark.gpu
@@ -39,6 +43,9 @@ CASES = [
     (5000, (14336,), 64, 9, 129, "identical", 0.4),
     (4096, (14336, 14336), 16, 8, 64, "uniform", 0.1),  # the wide decode expand
     (14336, (4096,), 64, 16, 256, "skewed", 0.1),  # decode shrink at its largest T, 16-way split
+    # many adapters in one step: the token-axis programs take several tiles each
+    (4096, (4096, 1024, 1024), 16, 200, 256, "distinct", 0.1),
+    (4096, (14336, 14336), 16, 64, 1000, "uniform", 0.1),
 ]
 
 
@@ -48,18 +55,19 @@ def test_kernels_match_reference_gpu(index, dtype):
     hidden, sizes, rank_max, num_loras, t, kind, base = CASES[index]
     case = make_case(200 + index, hidden, sizes, rank_max, num_loras, t, kind, base,
                      dtype=dtype, device="cuda")
-    (s_tol, e_tol), token_slots = TOL[dtype], case["meta"].token_slots
+    s_tol, e_tol = TOL[dtype]
+    rank_max = inter_rank(case["meta"])
 
     out = torch.full((t, len(sizes) * rank_max), float("nan"), device="cuda")
     lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out)
-    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], token_slots, case["num_slices"])
+    ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"])
     check_shrink_result(case, out, ref, rank_max, rtol=s_tol, atol=s_tol)
 
     inter = poisoned_inter(case, rank_max)
     y0 = torch.randn(t, sum(sizes), generator=case["gen"]).to("cuda", dtype)
     y_kernel, y_ref = y0.clone(), y0.clone()
     lora_expand(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_kernel)
-    lora_expand_ref(inter, case["b"], case["slot_rank"], token_slots, case["offsets"], y_ref)
+    lora_expand_ref(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_ref)
     check_expand_result(case, y0, y_kernel, y_ref, rtol=e_tol, atol=e_tol)
 
     args = (case["a"], case["b"], case["slot_rank"], case["meta"], case["offsets"])
@@ -70,36 +78,44 @@ def test_kernels_match_reference_gpu(index, dtype):
 
 
 @pytest.mark.parametrize("num_tokens", [8, 300])
-def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
-    """Capture shrink, expand and lora_apply once; then change everything they read.
+def test_cuda_graph_replay_follows_adapters_through_the_pool(num_tokens):
+    """Capture shrink, expand and lora_apply once; then change everything they read: which adapters a step
+    has, their pages (scattered anew), ranks, weights and ids, between replays.
 
     hidden 2048 splits the shrink's K (8 ways at T=8, 2 at T=300): every replay reuses the tile
     counters, and a replay on unchanged inputs gives bit-identical results."""
     num_loras, rank_max, hidden, sizes = 6, 16, 2048, (256, 64, 64)
     dtype, offsets, n_out = torch.bfloat16, offsets_of(sizes), sum(sizes)
     gen, rng = torch.Generator().manual_seed(5), np.random.default_rng(5)
-    builder = LoRAMetaBuilder(num_tokens, num_loras, "cuda")
+    first = make_weights(num_loras, sizes, rank_max, hidden, [rank_max] * num_loras, dtype, "cuda", gen)
+    # the static pool: room for every adapter at max rank and the spare pages
+    a = torch.full((first["a"].shape[0] + 8, *first["a"].shape[1:]), float("nan"), dtype=dtype, device="cuda")
+    b = torch.full((first["b"].shape[0] + 8, *first["b"].shape[1:]), float("nan"), dtype=dtype, device="cuda")
+    table, slot_rank = first["table"].clone(), first["rank"].clone()
+    builder = LoRAMetaBuilder(num_tokens, num_loras, table)
     meta = builder.meta
     x = torch.empty(num_tokens, hidden, dtype=dtype, device="cuda")
     y = torch.empty(num_tokens, n_out, dtype=dtype, device="cuda")
-    inter = torch.empty(num_tokens, len(sizes) * rank_max, device="cuda")
-    a, b, slot_rank = make_weights(num_loras, sizes, rank_max, hidden, [rank_max] * num_loras,
-                                   dtype, "cuda", gen)
+    width = inter_rank(meta)
+    inter = torch.empty(num_tokens, len(sizes) * width, device="cuda")
 
     def refill(step):
-        """New ranks (some slots empty), weights, inputs and token->slot mapping."""
+        """New ranks (some 0), pages, weights, inputs and tokens' adapters."""
         ranks = [int(r) for r in rng.integers(0, rank_max + 1, num_loras)]
         ranks[step % num_loras] = rank_max
-        new_a, new_b, new_rank = make_weights(num_loras, sizes, rank_max, hidden, ranks, dtype,
-                                              "cuda", gen)
-        a.copy_(new_a)
-        b.copy_(new_b)
-        slot_rank.copy_(new_rank)
+        pool = make_weights(num_loras, sizes, rank_max, hidden, ranks, dtype, "cuda", gen)
+        pages = pool["a"].shape[0]
+        a.fill_(float("nan"))
+        b.fill_(float("nan"))
+        a[:pages].copy_(pool["a"])
+        b[:pages].copy_(pool["b"])
+        table.copy_(pool["table"])
+        slot_rank.copy_(pool["rank"])
         x.copy_(torch.randn(num_tokens, hidden, generator=gen))
         active = rng.permutation(num_loras)[:1 + step % num_loras]
         base = 1.0 if step == 3 else 0.2
         slots = assign_slots(POPULARITY[step % 4], num_tokens, active, base, rng)
-        builder.build(slots)
+        meta_of(pool, slots, builder)
         return dict(ranks=ranks, slots=slots, num_slices=len(sizes))
 
     refill(0)
@@ -118,15 +134,14 @@ def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
 
     for step in range(5):
         info = refill(step)
-        token_slots = meta.token_slots
         inter.fill_(float("nan"))
         graphs[0].replay()
-        ref = lora_shrink_ref(x, a, slot_rank, token_slots, len(sizes))
-        check_shrink_result(info, inter, ref, rank_max, rtol=1e-3, atol=1e-3)
+        ref = lora_shrink_ref(x, a, slot_rank, meta, len(sizes))
+        check_shrink_result(info, inter, ref, width, rtol=1e-3, atol=1e-3)
         first = inter.clone()
         inter.fill_(float("nan"))
         graphs[0].replay()
-        defined = defined_mask(dict(info, x=x), rank_max)
+        defined = defined_mask(dict(info, x=x), width)
         assert torch.equal(inter[defined], first[defined])
         assert not meta.tile_counters.any()
 
@@ -134,7 +149,7 @@ def test_cuda_graph_replay_follows_slots_ranks_and_weights(num_tokens):
         y.copy_(y0)
         graphs[1].replay()
         y_ref = y0.clone()
-        lora_expand_ref(ref, b, slot_rank, token_slots, offsets, y_ref)
+        lora_expand_ref(ref, b, slot_rank, meta, offsets, y_ref)
         check_expand_result(info, y0, y, y_ref, rtol=2e-2, atol=2e-2)
 
         y.copy_(y0)
@@ -151,7 +166,7 @@ def test_split_k_shrink_is_bit_identical_run_to_run(num_tokens, hidden, sizes):
     """Whichever program of a tile arrives last, the sum is the partials added in split order."""
     case = make_case(17, hidden, sizes, 16, 8, num_tokens, "uniform", 0.1, dtype=torch.bfloat16,
                      device="cuda")
-    sr = len(sizes) * 16
+    sr = len(sizes) * inter_rank(case["meta"])
     cfg = shrink_config(num_tokens, hidden, sr)
     assert cfg.split_k > 1
     args = (case["x"], case["a"], case["slot_rank"], case["meta"], len(sizes))
@@ -169,21 +184,30 @@ def test_split_k_shrink_is_bit_identical_run_to_run(num_tokens, hidden, sizes):
 
 def test_meta_builder_back_to_back_builds():
     """Builds issued without a host sync each land intact (staging reuse waits for its copy)."""
-    builder = LoRAMetaBuilder(max_tokens=4096, max_loras=16, device="cuda")
+    builder = LoRAMetaBuilder(max_tokens=4096, max_loras=16, page_table=torch.zeros(64, 8, dtype=torch.int32,
+                                                                                    device="cuda"))
     rng = np.random.default_rng(9)
     history, expected = [], []
     for _ in range(8):
-        slots = rng.integers(-1, 16, int(rng.integers(0, 4097)))
-        meta = builder.build(slots)
+        pick = rng.choice(64, 16, replace=False)
+        ids = np.where(rng.random(int(rng.integers(0, 4097))) < 0.1, -1, 0)
+        ids[ids == 0] = pick[rng.integers(0, 16, int((ids == 0).sum()))]
+        meta = builder.build(ids)
         history.append([v.clone() for v in (meta.token_slots, meta.sorted_token_ids,
-                                            meta.slot_start, meta.slot_count)])
+                                            meta.slot_start, meta.slot_count, meta.slot_adapter)])
+        distinct = np.unique(ids[ids >= 0])
+        slots = np.where(ids < 0, -1, np.searchsorted(distinct, ids))
         keys = np.where(slots < 0, 16, slots)
-        counts = np.bincount(keys, minlength=17)[:16]
+        counts = np.bincount(keys, minlength=17)  # slot 16: the base tokens
         order = np.argsort(keys, kind="stable")
-        expected.append((slots, order, np.cumsum(counts) - counts, counts))
+        adapters = np.full(17, -1)
+        adapters[:distinct.size] = distinct
+        expected.append((slots, order, np.cumsum(counts) - counts, counts, adapters))
     torch.cuda.synchronize()
-    for (ts, ids, start, count), (slots, order, want_start, want_count) in zip(history, expected):
+    for (ts, ids, start, count, adapter), (slots, order, want_start, want_count, want_adapter) in zip(history,
+                                                                                                   expected):
         t = len(slots)
         assert ts[:t].tolist() == slots.tolist() and (ts[t:] == -1).all()
         assert ids[:t].tolist() == order.tolist()
         assert start.tolist() == want_start.tolist() and count.tolist() == want_count.tolist()
+        assert adapter.tolist() == want_adapter.tolist()

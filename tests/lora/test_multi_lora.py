@@ -82,25 +82,30 @@ def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_
     roomy = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=8, max_lora_rank=16,
                 max_cpu_loras=8)
     expected = run(roomy, 1)
+    page_bytes = roomy.engine.lora_manager.pool.page_bytes
+    # a pool of 4 pages (ranks 4 and 8 take one, rank 16 two), 2 adapters per step, 3 in the host cache
     tight = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16,
-                max_cpu_loras=3)
+                lora_gpu_memory=4.5 * page_bytes / 2**30, max_cpu_loras=3)
     engine, manager = tight.engine, tight.engine.lora_manager
-    peak = {"slots": 0, "cpu": 0}
+    assert manager.pool.num_pages == 4
+    peak = {"pages": 0, "cpu": 0, "running": 0}
     original_step = engine.step
 
     def checked_step():
         outputs = original_step()
         running = {s.lora_name for s in engine.scheduler.running if s.lora_name}
-        assert running <= set(manager.resident_on_gpu), "a running adapter was evicted from its slot"
-        peak["slots"] = max(peak["slots"], manager.num_slots_used)
+        assert running <= set(manager.resident_on_gpu), "a running adapter was evicted from the pool"
+        peak["pages"] = max(peak["pages"], manager.pool.used_pages)
         peak["cpu"] = max(peak["cpu"], len(manager.resident_on_cpu))
+        peak["running"] = max(peak["running"], len(running))
         return outputs
 
     engine.step = checked_step
     assert run(tight, 16) == expected
-    assert peak["slots"] <= 2 and peak["cpu"] <= 3
-    assert peak["slots"] == 2
-    assert not manager.refcounts
+    assert peak["pages"] <= 4 and peak["cpu"] <= 3 and peak["running"] == 2
+    assert manager.num_gpu_evictions > 0 and not manager.refcounts
+    # pages only return on eviction: what is resident accounts for every used page
+    assert manager.pool.used_pages == sum(manager.pages_of(n) for n in manager.resident_on_gpu)
 
 
 def test_unknown_adapter_and_lora_disabled(lora_setup):
@@ -205,21 +210,27 @@ def test_adapter_broken_after_registration_fails_only_its_requests(lora_setup, t
     assert llm.generate({"prompt_token_ids": [4, 5]}, GREEDY, LoRARequest("other"))[0].error is None
 
 
-def test_pinning_never_takes_a_slot_in_use_and_respects_the_limit(lora_setup):
+def test_pinning_never_evicts_an_adapter_in_use_and_leaves_room(lora_setup):
+    """A pool of 3 pages (max_lora_rank 16: 2 pages): with r4 (1 page) and qv_only (2 pages) running it is
+    full, so pinning waits for them; later a pin that would leave no room for a max-rank adapter is refused."""
     from loraserve.errors import InvalidRequestError
 
     folder, adapters = lora_setup
-    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    probe = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    page_bytes = probe.engine.lora_manager.pool.page_bytes
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16,
+              lora_gpu_memory=3.5 * page_bytes / 2**30)
     engine, manager = llm.engine, llm.engine.lora_manager
+    assert manager.pool.num_pages == 3
     engine.add_request("a", [4, 5, 6], GREEDY, LoRARequest("r4", adapters["r4"]))
     engine.add_request("b", [4, 5, 6], GREEDY, LoRARequest("qv", adapters["qv_only"]))
-    engine.step()  # both adapters now sit in the two slots with requests in flight
+    engine.step()  # both adapters now fill the pool with requests in flight
     with pytest.raises(InvalidRequestError, match="in flight"):
         llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)
     assert set(manager.resident_on_gpu) == {"r4", "qv"} and not manager.pinned
     while engine.has_unfinished_requests():
         engine.step()
-    llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)  # now a slot is free to take
+    llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)  # now an idle adapter makes room
     assert "p" in manager.resident_on_gpu and manager.pinned == {"p"}
-    with pytest.raises(InvalidRequestError, match="max_loras - 1"):
+    with pytest.raises(InvalidRequestError, match="leave room"):
         llm.add_lora(LoRARequest("r4", adapters["r4"]), pinned=True)  # already registered: still limited

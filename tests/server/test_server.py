@@ -188,15 +188,15 @@ def test_load_conflicts(client, base, paths):
 
 def _bad_adapters(paths):
     root = paths["root"]
-    cases = {"dotdot": (os.path.join(root, "..", "outside", "evil"), "lora-root")}
+    cases = {"dotdot": (os.path.join(root, "..", "outside", "evil"), "lora root")}
     os.symlink(os.path.join(paths["outside"], "evil"), os.path.join(root, "link-out"))
-    cases["symlink"] = (os.path.join(root, "link-out"), "lora-root")
+    cases["symlink"] = (os.path.join(root, "link-out"), "lora root")
     inner = os.path.join(root, "inner-link")
     os.makedirs(inner)
     shutil.copy(os.path.join(paths["a0"], "adapter_config.json"), inner)
     os.symlink(os.path.join(paths["outside"], "evil", "adapter_model.safetensors"),
                os.path.join(inner, "adapter_model.safetensors"))
-    cases["inner-symlink"] = (inner, "lora-root")
+    cases["inner-symlink"] = (inner, "lora root")
     pickle_only = os.path.join(root, "pickle-only")
     os.makedirs(pickle_only)
     shutil.copy(os.path.join(paths["a0"], "adapter_config.json"), pickle_only)
@@ -324,12 +324,15 @@ def test_metrics_names(client, url, base):
     samples = read_metrics(url)
     names = {name for name, _ in samples}
     for name in ("loraserve_requests_total", "loraserve_num_requests_running", "loraserve_num_requests_waiting",
-                 "loraserve_lora_slots_used", "loraserve_lora_slots_total", "loraserve_loras_on_gpu",
+                 "loraserve_lora_pool_bytes_used", "loraserve_lora_pool_bytes_total", "loraserve_loras_on_gpu",
+                 "loraserve_lora_gpu_loads_total", "loraserve_lora_adapter_queue_seconds_total",
                  "loraserve_loras_on_cpu", "loraserve_lora_load_seconds_count", "loraserve_kv_cache_blocks_used",
                  "loraserve_kv_cache_blocks_total", "loraserve_kv_cache_usage_ratio",
                  "loraserve_time_to_first_token_seconds_count", "loraserve_inter_token_latency_seconds_count"):
         assert name in names, name
     assert metric(samples, "loraserve_requests_total", adapter="a0", outcome="success") >= 1
-    assert metric(samples, "loraserve_lora_slots_total") == 2
+    assert metric(samples, "loraserve_lora_pool_bytes_total") > metric(samples, "loraserve_lora_pool_bytes_used") > 0
+    assert metric(samples, "loraserve_lora_adapter_gpu_loads_total", adapter="a0") >= 1
+    assert metric(samples, "loraserve_lora_adapter_requests_started_total", adapter="a0") >= 1
     assert metric(samples, "loraserve_lora_resident", adapter="a0", location="gpu") == 1
     assert metric(samples, "loraserve_inter_token_latency_seconds_count") >= 2

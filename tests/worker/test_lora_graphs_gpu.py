@@ -20,6 +20,7 @@ from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.forward_context import AttentionMetadata, ForwardContext
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.runtime import LoRABatch
+from loraserve.lora.synthetic import random_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_common import time_capture  # noqa: E402 (the benchmarks' capture timer)
@@ -51,13 +52,13 @@ def _probe(llm, n, token_slots, seed):
     inputs = random_decode_inputs(rng, n, runner.block_size, llm.engine.hf_config.vocab_size, token_slots)
     graph = gr.replay(inputs).clone()
 
-    def eager(lora_slots):
+    def eager(lora_ids):
         dev = torch.device("cuda")
         attn = AttentionMetadata(torch.from_numpy(inputs.slot_mapping).to(dev),
                                  torch.from_numpy(inputs.block_tables).to(dev), torch.from_numpy(inputs.seq_lens).to(dev),
                                  torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
         # LoRA products in place (no side stream), on the unpadded batch
-        lora = LoRABatch(runner.lora.metadata.build(np.asarray(lora_slots)), None) if lora_slots is not None else None
+        lora = LoRABatch(runner.lora.metadata.build(np.asarray(lora_ids)), None) if lora_ids is not None else None
         return runner.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
                             ForwardContext(attn, lora)).clone()
 
@@ -68,7 +69,7 @@ def _probe(llm, n, token_slots, seed):
 def test_graph_equals_eager_for_every_bucket_and_adapter_mix(setup):
     _, _, llm = setup
     manager = llm.engine.lora_manager
-    slots = manager.prepare_slots({"a0", "a1", "a2", "a3"}, set())
+    slots = manager.prepare({"a0", "a1", "a2", "a3"}, set())
     all_slots = [slots[n] for n in ["a0", "a1", "a2", "a3"]]
     gr = llm.engine.runner.graph_runner
     assert sorted(gr.graphs) == gr.buckets, "a bucket failed the start-up integrity check"
@@ -92,7 +93,7 @@ def test_timing_a_capture_again_leaves_the_graphs_as_they_were(setup):
     """time_capture (benchmarks/bench_common.py) captures every bucket into graphs it drops: the runner's
     graphs give the same bits before and after, with adapters active."""
     _, _, llm = setup
-    slots = llm.engine.lora_manager.prepare_slots({"a0", "a2"}, set())
+    slots = llm.engine.lora_manager.prepare({"a0", "a2"}, set())
     gr = llm.engine.runner.graph_runner
     token_slots = [slots["a0"], -1, slots["a2"], slots["a0"], -1]
     before, eager, _ = _probe(llm, 5, token_slots, seed=7)
@@ -108,11 +109,11 @@ def test_side_stream_delta_equals_in_place_lora(setup):
     """LoRA products on the side stream, added by the next kernel, give the bits of adding them in place."""
     _, _, llm = setup
     runner = llm.engine.runner
-    runner_slots = llm.engine.lora_manager.prepare_slots({"a0", "a1", "a3"}, set())
+    runner_slots = llm.engine.lora_manager.prepare({"a0", "a1", "a3"}, set())
     assert runner.lora.side is not None
     dev = torch.device("cuda")
     builder0 = runner.lora.metadata
-    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras, dev)
+    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras, runner.lora.pool.page_table)
     # 9 and 5 tokens share kernel shapes (the bound side-stream launches), 100 has others; another
     # metadata buffer must not be served by launches bound to the runner's
     for n, builder in ((9, builder0), (5, builder0), (100, builder0), (5, other_builder)):
@@ -139,15 +140,15 @@ def test_adapter_loaded_or_replaced_after_capture_takes_effect(setup, tmp_path_f
                                     {"name": "late2", "r": 16, "lora_alpha": 16, "target_modules": TARGETS}],
                                    seed=9)
     llm.add_lora(LoRARequest("late", new_paths[0]))
-    slot = manager.prepare_slots({"late"}, set())["late"]
+    slot = manager.prepare({"late"}, set())["late"]
     graph, eager, base = _probe(llm, 3, [slot, -1, slot], seed=1)
     tol = 1e-2 * float(eager.float().abs().max())
     assert (graph.float() - eager.float()).abs().max() <= tol
     assert (graph[0].float() - base[0].float()).abs().max() > tol
-    # replace: unload "late" (its slot is freed) and load "late2", which takes a slot; the next replay follows
+    # replace: unload "late" (its pages are freed) and load "late2", which takes pages; the next replay follows
     llm.remove_lora("late")
     llm.add_lora(LoRARequest("late2", new_paths[1]))
-    slot2 = manager.prepare_slots({"late2"}, set())["late2"]
+    slot2 = manager.prepare({"late2"}, set())["late2"]
     graph2, eager2, _ = _probe(llm, 3, [slot2, -1, slot2], seed=1)
     assert (graph2.float() - eager2.float()).abs().max() <= 1e-2 * float(eager2.float().abs().max())
     assert (graph2[0].float() - graph[0].float()).abs().max() > tol, "the replaced adapter's weights were not used"
@@ -174,3 +175,35 @@ def test_graphs_with_lora_match_peft_bf16(setup):
         ref = teacher_forced_logprobs(peft, prompt, tokens, adapter_names=[name or "__base__"])
         agree += all(int(ref[i].argmax()) == t for i, t in enumerate(tokens))
     assert agree / len(names) >= 0.9, f"{agree}/{len(names)} rows match PEFT bf16"
+
+
+def test_graphs_follow_adapters_moving_through_a_full_pool(setup):
+    """Graph replay equals eager for every bucket while adapters are evicted and loaded between replays:
+    a pool of 6 pages (max_lora_rank 16: 2 each) and 12 adapters of ranks 8 and 16 taking turns, so pages
+    are reused by other adapters and ids change."""
+    folder, _, first = setup
+    page = first.engine.lora_manager.pool.page_bytes  # the same model, dtype and layers: the same pages
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=40, enable_lora=True,
+              max_loras=3, max_lora_rank=16, lora_gpu_memory=6.5 * page / 2**30)
+    manager = llm.engine.lora_manager
+    assert manager.pool.num_pages == 6
+    for i in range(12):
+        manager.register_adapter(f"m{i}", random_adapter(manager.runtime.spec, f"m{i}", [8, 16][i % 2], seed=40 + i,
+                                                         std=0.05))
+    gr = llm.engine.runner.graph_runner
+    rng = random.Random(3)
+    for round_ in range(6):
+        names = rng.sample([f"m{i}" for i in range(12)], 3)
+        if sum(manager.pages_of(n) for n in names) > 6:
+            names = names[:2]
+        ids = manager.prepare(set(names), set())
+        for bucket in gr.buckets:
+            n = max(1, bucket - 1) if bucket > 1 else 1
+            choices = [-1] + [ids[name] for name in names]
+            token_ids = [choices[i % len(choices)] for i in range(n)]
+            graph, eager, base = _probe(llm, n, token_ids, seed=100 * round_ + bucket)
+            scale = eager.float().abs().max()
+            assert (graph.float() - eager.float()).abs().max() <= 1e-2 * scale, f"round {round_}, bucket {bucket}"
+            assert all((graph[i].float() - base[i].float()).abs().max() > 1e-2 * scale
+                       for i, s in enumerate(token_ids) if s >= 0), "an adapter row equals base"
+    assert manager.num_gpu_evictions > 0

@@ -31,7 +31,7 @@ def _step(rng: random.Random, num_seqs: int, decode_only: bool) -> list[Schedule
     return scheduled
 
 
-def _expected(scheduled, lora_slots):
+def _expected(scheduled, lora_ids):
     """Per token, in a plain loop: id, position, KV slot, LoRA slot; per sequence: length; sampled rows."""
     ids, pos, kv, lora, lens, rows = [], [], [], [], [], []
     for item in scheduled:
@@ -41,7 +41,7 @@ def _expected(scheduled, lora_slots):
             ids.append(known[p] if p < len(known) else PENDING_TOKEN)
             pos.append(p)
             kv.append(seq.block_table[p // BLOCK] * BLOCK + p % BLOCK)
-            lora.append(lora_slots[seq.lora_name] if seq.lora_name else -1)
+            lora.append(lora_ids[seq.lora_name] if seq.lora_name else -1)
         lens.append(start + item.num_new_tokens)
         if item.samples:
             rows.append(len(ids) - 1)
@@ -50,13 +50,13 @@ def _expected(scheduled, lora_slots):
 
 def test_prepare_matches_a_per_token_loop():
     rng = random.Random(0)
-    lora_slots = {"a": 2, "b": 0}
+    lora_ids = {"a": 2, "b": 0}
     for trial in range(40):
         scheduled = _step(rng, rng.randint(1, 12), decode_only=trial % 2 == 0)
-        inputs = StepInputs.prepare(scheduled, lora_slots, BLOCK)
-        ids, pos, kv, lora, lens, rows = _expected(scheduled, lora_slots)
+        inputs = StepInputs.prepare(scheduled, lora_ids, BLOCK)
+        ids, pos, kv, lora, lens, rows = _expected(scheduled, lora_ids)
         assert inputs.input_ids.tolist() == ids and inputs.positions.tolist() == pos
-        assert inputs.slot_mapping.tolist() == kv and inputs.token_lora_slots.tolist() == lora
+        assert inputs.slot_mapping.tolist() == kv and inputs.token_adapters.tolist() == lora
         assert inputs.seq_lens.tolist() == lens and inputs.logits_rows.tolist() == rows
         counts = [item.num_new_tokens for item in scheduled]
         assert inputs.query_start_loc.tolist() == np.concatenate([[0], np.cumsum(counts)]).tolist()
@@ -65,7 +65,7 @@ def test_prepare_matches_a_per_token_loop():
             table = item.seq.block_table
             assert inputs.block_tables[i, :len(table)].tolist() == table
         assert [a.dtype for a in (inputs.input_ids, inputs.positions, inputs.slot_mapping, inputs.block_tables,
-                                  inputs.seq_lens, inputs.query_start_loc, inputs.token_lora_slots,
+                                  inputs.seq_lens, inputs.query_start_loc, inputs.token_adapters,
                                   inputs.logits_rows)] == [np.int64] * 3 + [np.int32] * 4 + [np.int64]
 
 
@@ -76,14 +76,14 @@ def test_padding_points_every_padding_row_at_the_dummy_block():
     padded = inputs.padded(8, 20, dummy, BLOCK)
     n = inputs.num_tokens
     assert padded.num_tokens == 8 and padded.block_tables.shape == (8, 20)
-    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "token_lora_slots"):
+    for name in ("input_ids", "positions", "slot_mapping", "seq_lens", "token_adapters"):
         assert getattr(padded, name)[:n].tolist() == getattr(inputs, name).tolist()
     assert padded.input_ids[n:].tolist() == [0] * 3 and padded.positions[n:].tolist() == [0] * 3
-    assert padded.seq_lens[n:].tolist() == [0] * 3 and padded.token_lora_slots[n:].tolist() == [-1] * 3
+    assert padded.seq_lens[n:].tolist() == [0] * 3 and padded.token_adapters[n:].tolist() == [-1] * 3
     assert padded.slot_mapping[n:].tolist() == [dummy * BLOCK] * 3
     width = inputs.block_tables.shape[1]
     assert (padded.block_tables[:n, :width] == inputs.block_tables).all()
     assert (padded.block_tables[:n, width:] == dummy).all() and (padded.block_tables[n:] == dummy).all()
     assert padded.query_start_loc.tolist() == list(range(9)) and padded.logits_rows.tolist() == list(range(n))
     empty = StepInputs.empty_decode().padded(4, 3, dummy, BLOCK)
-    assert (empty.block_tables == dummy).all() and (empty.token_lora_slots == -1).all()
+    assert (empty.block_tables == dummy).all() and (empty.token_adapters == -1).all()

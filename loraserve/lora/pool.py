@@ -1,0 +1,208 @@
+"""The GPU adapter pool: device memory sized in bytes, handed out in pages of PAGE_RANK rank rows.
+
+A page holds PAGE_RANK rank rows of one adapter for every LoRA layer, as one
+contiguous block of the pool's storage ([P, page elements]); an adapter of rank
+r takes cdiv(r, PAGE_RANK) pages, wherever they are free, so it occupies memory
+for its own rank, not for max_lora_rank. Inside a page the layers are ordered
+by module (every layer's q/k/v, then every o, gate/up, down: `PageLayout`), so
+an adapter that targets only some modules fills one contiguous span of each
+of its pages: its host copy (`PackedAdapter`) holds only that span, and loading
+it costs one host-to-device copy per page.
+
+Adapter ids are the rows of the page table ([A, max_pages] int32, A = P) and of
+the per-layer rank table ([layers, A] int32); the LoRA layers read views of
+the storage and these tables (kernels/lora_meta.py), whose addresses never
+change, so CUDA graphs captured once read whatever the pool holds at replay.
+The pool only does the bookkeeping of pages and ids and the copies; which
+adapter goes in or out is the LoRA manager's choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraserve.kernels.launch import cdiv
+from loraserve.kernels.lora_meta import PAGE_RANK
+
+ALIGN = 64  # elements: every layer's region in a page starts on a 128-byte boundary (bf16)
+
+
+@dataclass(frozen=True)
+class LayerRegion:
+    """Where one LoRA layer's page rows sit inside a page (element offsets)."""
+
+    a_offset: int  # A: [S*PAGE_RANK, in] row-major
+    b_offset: int  # B^T: [PAGE_RANK, N] row-major
+    num_slices: int
+    in_features: int
+    out_features: int
+    slice_offsets: tuple[int, ...]
+
+    @property
+    def end(self) -> int:
+        return self.b_offset + PAGE_RANK * self.out_features
+
+
+class PageLayout:
+    """The element layout of one page for a list of LoRA layers (in the runtime's layer order).
+
+    layers: per layer (module attr, in_features, out_features, slice_offsets). Regions are ordered by
+    module attr (first appearance), then by layer, each aligned to ALIGN elements.
+    """
+
+    def __init__(self, layers: list[tuple[str, int, int, tuple[int, ...]]]):
+        kinds = list(dict.fromkeys(attr for attr, *_ in layers))
+        order = sorted(range(len(layers)), key=lambda i: (kinds.index(layers[i][0]), i))
+        regions: list[LayerRegion | None] = [None] * len(layers)
+        offset = 0
+        for i in order:
+            _, in_features, out_features, offsets = layers[i]
+            num_slices = len(offsets) - 1
+            a_offset = offset
+            b_offset = _aligned(a_offset + num_slices * PAGE_RANK * in_features)
+            regions[i] = LayerRegion(a_offset, b_offset, num_slices, in_features, out_features, tuple(offsets))
+            offset = _aligned(regions[i].end)
+        self.regions: list[LayerRegion] = regions
+        self.page_elems = offset
+
+    def a_view(self, storage: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer i's A rows in every page: [P, S*PAGE_RANK, in] (page stride = page_elems)."""
+        r = self.regions[i]
+        rows = r.num_slices * PAGE_RANK
+        return storage[:, r.a_offset:r.a_offset + rows * r.in_features].view(-1, rows, r.in_features)
+
+    def b_view(self, storage: torch.Tensor, i: int) -> torch.Tensor:
+        """Layer i's B^T rows in every page: [P, PAGE_RANK, N]."""
+        r = self.regions[i]
+        return storage[:, r.b_offset:r.end].view(-1, PAGE_RANK, r.out_features)
+
+
+def _aligned(n: int) -> int:
+    return cdiv(n, ALIGN) * ALIGN
+
+
+@dataclass
+class PackedAdapter:
+    """An adapter in page layout in host memory, ready to copy: the span [span_start, span_start + width)
+    of each of its pages (what its targeted layers use; zeros where it has no weights)."""
+
+    data: torch.Tensor  # [pages, width], pinned on CUDA
+    span_start: int
+    ranks: torch.Tensor  # [layers] int32: its rank in each LoRA layer (0: not targeted)
+
+    @property
+    def num_pages(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class AdapterPool:
+    """Device storage for `num_pages` pages, the page table and the rank table; page and id bookkeeping."""
+
+    def __init__(self, layout: PageLayout, num_pages: int, max_rank: int, dtype: torch.dtype, device):
+        if num_pages < 1:
+            raise ValueError(f"the adapter pool needs at least one page, got {num_pages}")
+        self.layout = layout
+        self.num_pages = num_pages
+        self.max_pages = cdiv(max_rank, PAGE_RANK)
+        self.device, self.dtype = torch.device(device), dtype
+        self.storage = torch.zeros(num_pages, layout.page_elems, dtype=dtype, device=device)  # [P, page elements]
+        self.page_table = torch.zeros(num_pages, self.max_pages, dtype=torch.int32, device=device)  # [A, pages]
+        self.ranks = torch.zeros(len(layout.regions), num_pages, dtype=torch.int32, device=device)  # [layers, A]
+        self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
+        self._free_ids = list(range(num_pages - 1, -1, -1))
+        self._pages_of: dict[int, list[int]] = {}  # adapter id -> its pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layout.page_elems * self.storage.element_size()
+
+    @property
+    def rank_width(self) -> int:
+        """R: the rank rows per slice of the kernels' intermediate (whole pages)."""
+        return self.max_pages * PAGE_RANK
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free_pages)
+
+    def layer_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(lora_a [P, S*PAGE_RANK, in], lora_b [P, PAGE_RANK, N], lora_rank [A]) of layer i."""
+        return self.layout.a_view(self.storage, i), self.layout.b_view(self.storage, i), self.ranks[i]
+
+    # -- host side ----------------------------------------------------------------
+    def pack(self, layer_weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]], pin: bool) -> PackedAdapter:
+        """An adapter's weights in page layout: per layer, per slice (A [r, in], B [out_s, r]) or None."""
+        targeted = [i for i, slices in enumerate(layer_weights) if any(p is not None for p in slices)]
+        if not targeted:
+            raise ValueError("the adapter targets no LoRA layer")
+        ranks = torch.zeros(len(layer_weights), dtype=torch.int32)
+        for i in targeted:
+            ranks[i] = max(a.shape[0] for a, _ in filter(None, layer_weights[i]))
+        num_pages = cdiv(int(ranks.max()), PAGE_RANK)
+        regions = self.layout.regions
+        start = min(regions[i].a_offset for i in targeted)
+        width = max(regions[i].end for i in targeted) - start
+        data = torch.zeros(num_pages, width, dtype=self.dtype, pin_memory=pin)  # [pages, width]
+        for i in targeted:
+            r = regions[i]
+            a_pages = data[:, r.a_offset - start:r.b_offset - start][:, :r.num_slices * PAGE_RANK * r.in_features]
+            a_pages = a_pages.view(num_pages, r.num_slices, PAGE_RANK, r.in_features)
+            b_pages = data[:, r.b_offset - start:r.end - start].view(num_pages, PAGE_RANK, r.out_features)
+            for s, pair in enumerate(layer_weights[i]):
+                if pair is None:
+                    continue
+                a, b = pair  # a: [rank, in], b: [out_s, rank]
+                lo, hi = r.slice_offsets[s], r.slice_offsets[s + 1]
+                for p in range(cdiv(a.shape[0], PAGE_RANK)):
+                    rows = slice(p * PAGE_RANK, min((p + 1) * PAGE_RANK, a.shape[0]))
+                    n = rows.stop - rows.start
+                    a_pages[p, s, :n] = a[rows]
+                    b_pages[p, :n, lo:hi] = b[:, rows].T
+        return PackedAdapter(data, start, ranks.pin_memory() if pin else ranks)
+
+    # -- pages and ids ------------------------------------------------------------------
+    def pages_for(self, rank: int) -> int:
+        return cdiv(rank, PAGE_RANK)
+
+    def allocate(self, num_pages: int) -> tuple[int, list[int]]:
+        """An adapter id and `num_pages` free pages (the caller made room); raises RuntimeError otherwise."""
+        if num_pages > len(self._free_pages) or not self._free_ids:
+            raise RuntimeError(f"the adapter pool has {len(self._free_pages)} free pages, {num_pages} needed")
+        adapter_id = self._free_ids.pop()
+        pages = [self._free_pages.pop() for _ in range(num_pages)]
+        self._pages_of[adapter_id] = pages
+        return adapter_id, pages
+
+    def write(self, adapter_id: int, packed: PackedAdapter) -> None:
+        """Copy a packed adapter into its pages and its rows of the page and rank tables (on the current
+        stream; the host buffers must stay alive until the copy is done)."""
+        pages = self._pages_of[adapter_id]
+        if len(pages) != packed.num_pages:
+            raise ValueError(f"adapter id {adapter_id} holds {len(pages)} pages, the adapter needs {packed.num_pages}")
+        end = packed.span_start + packed.data.shape[1]
+        for p, page in enumerate(pages):
+            self.storage[page, packed.span_start:end].copy_(packed.data[p], non_blocking=True)
+        table_row = torch.tensor(pages, dtype=torch.int32)
+        self.page_table[adapter_id, :len(pages)].copy_(table_row)
+        self.ranks[:, adapter_id].copy_(packed.ranks, non_blocking=True)
+
+    def release(self, adapter_id: int) -> None:
+        """Return an adapter's pages and id to the free lists (bookkeeping only: no step refers to a released
+        id, and the next adapter given it overwrites its whole column of ranks)."""
+        pages = self._pages_of.pop(adapter_id)
+        self._free_pages.extend(reversed(pages))
+        self._free_ids.append(adapter_id)
+
+    def capacity_summary(self) -> str:
+        """How many adapters of common ranks fit, e.g. '1024 of rank 8, 512 of rank 16, ...'."""
+        return ", ".join(f"{self.num_pages // self.pages_for(r)} of rank {r}"
+                         for r in (8, 16, 32, 64, 128) if r <= self.rank_width)

@@ -1,0 +1,174 @@
+"""The paged GPU adapter pool (on the CPU here): packing, memory at an adapter's own rank, stale pages,
+and the manager's bookkeeping under 10,000 random load / evict / request events."""
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from loraserve.config import LoRAConfig
+from loraserve.errors import InvalidRequestError
+from loraserve.kernels.lora_meta import PAGE_RANK
+from loraserve.kernels.lora_ops import lora_apply_ref
+from loraserve.kernels.lora_reference import gather_a, gather_b
+from loraserve.lora.manager import IN_MEMORY, LoRAManager
+from loraserve.lora.runtime import LoRARuntime
+from loraserve.lora.synthetic import ALL_TARGETS, random_adapter
+from loraserve.models.loader import open_model
+
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def tiny_runtime(max_loras=8, max_rank=64, pages=None, **lora):
+    """A LoRA runtime on synthetic:tiny (fp32, CPU) whose pool holds `pages` pages (default: its CPU default)."""
+    model = open_model("synthetic:tiny").load(torch.device("cpu"), torch.float32).model
+    config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_rank, **lora)
+    probe = LoRARuntime(open_model("synthetic:tiny").load(torch.device("cpu"), torch.float32).model, config, 64,
+                        None) if pages is not None else None
+    size = None if pages is None else int((pages + 0.5) * probe.pool.page_bytes)
+    return LoRARuntime(model, config, 64, None, size)
+
+
+def own_bytes(adapter, dtype=torch.float32):
+    return sum(t.numel() for pair in adapter.weights.values() for t in pair) * torch.empty((), dtype=dtype).element_size()
+
+
+def test_packed_adapters_read_back_from_their_pages():
+    """Adapters of ranks 3..64, all projections or q/k/v/o only, loaded into scattered pages: every layer's
+    A and B gathered from the pool equal the adapter's, and the adapter's own ranks are recorded per layer."""
+    runtime = tiny_runtime(pages=40)
+    pool = runtime.pool
+    loaded = []
+    for i, (rank, targets) in enumerate([(16, ALL_TARGETS), (3, QKVO), (64, ALL_TARGETS), (9, QKVO)]):
+        adapter = random_adapter(runtime.spec, f"a{i}", rank, targets, seed=i)
+        adapter_id, _ = runtime.load(runtime.pack(adapter))
+        loaded.append((adapter_id, adapter, targets))
+        if i == 0:  # free a hole so that the next adapters' pages are not in order
+            runtime.release(adapter_id)
+            loaded.pop()
+    for adapter_id, adapter, targets in loaded:
+        rank = adapter.max_rank
+        pages = pool.page_table[adapter_id, :-(-rank // PAGE_RANK)]
+        for i, (layer_index, layer) in enumerate(runtime.layers):
+            targeted = any((layer_index, m) in adapter.weights for m in layer.slice_names)
+            assert int(layer.lora_rank[adapter_id]) == (rank if targeted else 0)
+            if not targeted:
+                continue
+            a = gather_a(layer.lora_a, pages, len(layer.slice_names), rank)  # [S, r, in]
+            b = gather_b(layer.lora_b, pages, rank)  # [r, N]
+            for s, module in enumerate(layer.slice_names):
+                lo, hi = layer.slice_offsets[s], layer.slice_offsets[s + 1]
+                want = adapter.weights.get((layer_index, module))
+                if want is None:
+                    assert not a[s].any() and not b[:, lo:hi].any()
+                else:
+                    assert torch.equal(a[s], want[0]) and torch.equal(b[:, lo:hi], want[1].T)
+
+
+def test_mixed_ranks_take_their_own_bytes():
+    """A set of all-projection adapters of ranks 8, 16, 32 and 64 occupies at most 1.1x its own bytes, even
+    with max_lora_rank 64."""
+    runtime = tiny_runtime(pages=40)
+    adapters = [random_adapter(runtime.spec, f"r{r}", r, seed=r) for r in (8, 16, 32, 64)]
+    for adapter in adapters:
+        runtime.load(runtime.pack(adapter))
+    used = runtime.pool.used_pages * runtime.pool.page_bytes
+    own = sum(own_bytes(a) for a in adapters)
+    assert used <= 1.1 * own, (used, own)
+    assert runtime.pool.used_pages == (8 + 16 + 32 + 64) // PAGE_RANK
+
+
+def test_a_partial_adapter_in_reused_pages_reads_no_stale_weights():
+    """A q/k/v/o adapter loaded into pages that held an all-projection adapter: the MLP layers see rank 0 and
+    the product equals the one of the adapter loaded into a fresh pool."""
+    runtime = tiny_runtime(max_rank=16, pages=4)
+    full = runtime.load(runtime.pack(random_adapter(runtime.spec, "full", 16, seed=1)))[0]
+    runtime.release(full)
+    partial = random_adapter(runtime.spec, "qkvo", 16, QKVO, seed=2)
+    reused = runtime.load(runtime.pack(partial))[0]
+    fresh_runtime = tiny_runtime(max_rank=16, pages=4)
+    fresh = fresh_runtime.load(fresh_runtime.pack(partial))[0]
+    for (_, layer), (_, fresh_layer) in zip(runtime.layers, fresh_runtime.layers):
+        x_in = torch.randn(5, layer.in_features)
+        ys = []
+        for rt, lay, aid in ((runtime, layer, reused), (fresh_runtime, fresh_layer, fresh)):
+            meta = rt.write_metadata(np.array([aid, -1, aid, aid, -1]))
+            y = torch.zeros(5, lay.out_features)
+            lora_apply_ref(x_in, y, lay.lora_a, lay.lora_b, lay.lora_rank, meta, lay.slice_offsets)
+            ys.append(y)
+        assert torch.equal(ys[0], ys[1])
+
+
+def test_a_pool_smaller_than_one_max_rank_adapter_is_refused():
+    with pytest.raises(ValueError, match="max_lora_rank"):
+        tiny_runtime(max_rank=64, pages=7)
+
+
+def test_the_manager_never_leaks_pages_under_random_events():
+    """10,000 random events over 40 in-memory adapters of ranks 4..64 in a 24-page pool: steps of up to 4
+    adapters, requests starting and finishing, adapters unregistered and registered again, pins, load-ahead.
+    After every event: used pages = the resident adapters' pages, no page is held twice, running adapters stay
+    resident, and the host cache stays within its count."""
+    runtime = tiny_runtime(max_loras=4, pages=24, max_cpu_loras=10)
+    manager = LoRAManager(runtime)
+    pool = runtime.pool
+    rng = random.Random(0)
+    ranks = {f"a{i}": rng.choice([4, 8, 16, 32, 64]) for i in range(40)}
+    adapters = {name: random_adapter(runtime.spec, name, r, seed=i) for i, (name, r) in enumerate(ranks.items())}
+    for name, adapter in adapters.items():
+        manager.register_adapter(name, adapter)
+    running: dict[str, int] = {}  # adapter -> requests in flight
+    retired: set[str] = set()  # unregistered while requests ran
+
+    def check():
+        held = [p for pages in pool._pages_of.values() for p in pages]
+        assert len(held) == len(set(held)) == pool.used_pages
+        assert pool.used_pages == sum(manager.pages_of(n) for n in manager.resident_on_gpu)
+        assert set(running) <= set(manager.resident_on_gpu)
+        assert len(manager.resident_on_cpu) <= 10 + len(manager.pinned)
+
+    for _ in range(10_000):
+        event = rng.random()
+        if event < 0.45:  # a step: new adapters join the running ones if they fit
+            names = set(running)
+            for name in rng.sample(sorted(manager.registered()), 3):
+                pages = sum(manager.pages_of(n) for n in names | {name} | manager.pinned)
+                if len(names | manager.pinned | {name}) <= 4 and pages <= pool.num_pages:
+                    names.add(name)
+            manager.prepare(names, set(running))
+            for name in names & set(manager.registered()) - set(running):  # new requests (retired adapters take none)
+                manager.acquire(name)
+                running[name] = running.get(name, 0) + 1
+        elif event < 0.75 and running:  # a request finishes
+            name = rng.choice(sorted(running))
+            manager.release(name)
+            running[name] -= 1
+            if not running[name]:
+                del running[name]
+                if name in retired:  # its last request finished: the name may be registered again
+                    retired.discard(name)
+                    manager.register_adapter(name, adapters[name])
+        elif event < 0.85:  # unregister and register again (maybe while requests run)
+            name = rng.choice(sorted(manager.registered()))
+            if name not in manager.pinned:
+                manager.unregister(name)
+                if name in running:
+                    retired.add(name)
+                else:
+                    manager.register_adapter(name, adapters[name])
+        elif event < 0.95:  # load-ahead of some waiting adapters
+            manager.prefetch(rng.sample(sorted(manager.registered()), 4), set(running))
+        elif not manager.pinned:  # pin an adapter (refused when the pool has no room for it now)
+            name = rng.choice(sorted(manager.registered()))
+            try:
+                manager.register(name, IN_MEMORY, pinned=True)
+            except InvalidRequestError as exc:
+                assert "can't pin" in str(exc)
+        check()
+    assert manager.num_gpu_evictions > 100 and manager.num_gpu_loads > 100
+    for name, count in list(running.items()):
+        for _ in range(count):
+            manager.release(name)
+    running.clear()
+    check()
+    assert not manager.refcounts
