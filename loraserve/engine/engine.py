@@ -25,12 +25,12 @@ from loraserve.lora.adapter import LoRAAdapterError
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import resolve_adapter_name
-from loraserve.lora.runtime import LoRARuntime, pool_bytes
+from loraserve.lora.runtime import KVRoom, LoRARuntime
 from loraserve.models.loader import LoadedModel, open_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import SchedulerOutput, Sequence
-from loraserve.worker.model_runner import LaunchedStep, ModelRunner
+from loraserve.worker.model_runner import LaunchedStep, ModelRunner, kv_cache_need
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +50,8 @@ class LLMEngine:
         self.lora_manager: LoRAManager | None = None
         runtime = None
         if config.lora is not None:
-            runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name,
-                                  pool_bytes(config.lora, config.cache, config.model.device))
+            kv_room = KVRoom(*kv_cache_need(loaded.model, config)) if config.model.device.type == "cuda" else None
+            runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name, kv_room)
             self.lora_manager = LoRAManager(runtime)
         self.runner = ModelRunner(loaded.model, config, runtime)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)

@@ -5,18 +5,20 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    in prefill takes the next chunk (a sequence whose token in flight is its last
    by length is skipped). If KV blocks run out, the newest running
    sequence is preempted (blocks freed, recomputed later from the start).
-2. Then waiting sequences, first come first served, while budget, blocks and
-   sequence slots last. The running adapters (with the pinned ones) must fit
-   the GPU adapter pool together (their pages) and number at most `max_loras`
-   (distinct adapters in one step). A request whose adapter does not fit now is
-   passed over and never blocks the requests behind it: base-model requests and
-   requests of adapters already running or pinned are admitted past it, and
-   room that frees goes to the oldest waiting adapter.
+2. Then waiting sequences while budget, blocks and sequence slots last. The
+   running adapters (with the pinned ones) must fit the GPU adapter pool
+   together (their pages) and number at most `max_loras` (distinct adapters in
+   one step). Requests that need no new adapter (base model, running or pinned
+   adapters) come first, first come first served; then the requests of other
+   adapters, the adapter with the most waiting requests first, so that the
+   pool's room holds as many requests as it can. A request whose adapter does
+   not fit now is passed over and never blocks the requests behind it.
 3. No starvation: once the oldest request whose adapter does not fit has
-   waited `max_wait_steps` steps (LoRAConfig), no other new adapter may start,
-   and while it still does not fit, the running adapter with the fewest running
-   requests (pinned ones excepted) is drained: its new requests wait until its
-   running ones finish and its room goes to the waiting adapter. So every
+   waited `max_wait_steps` steps (LoRAConfig), its adapter is offered room
+   first; while it does not fit, no other new adapter may start, and the
+   running adapter with the fewest running requests (pinned ones excepted) is
+   drained: its new requests wait until its running ones finish and its room
+   goes to the waiting adapter. So every
    request's wait is bounded by about max_wait_steps plus the longest running
    request of the drained adapters, whatever floods the other adapters.
 """
@@ -94,14 +96,11 @@ class Scheduler:
         return set(self._running_loras)
 
     def waiting_loras(self, limit: int) -> list[str]:
-        """The adapters of waiting requests not running, first waiting first, at most `limit` of them."""
-        names: dict[str, None] = {}
-        for seq in self.waiting:
-            if len(names) >= limit:
-                break
-            if seq.lora_name is not None and seq.lora_name not in self._running_loras:
-                names[seq.lora_name] = None
-        return list(names)
+        """The adapters of waiting requests that are not running, in the order they will be offered room (the
+        most waiting requests first, then the first to arrive), at most `limit` of them."""
+        counts: Counter[str] = Counter(seq.lora_name for seq in self.waiting
+                                       if seq.lora_name is not None and seq.lora_name not in self._running_loras)
+        return [name for name, _ in counts.most_common(limit)]  # ties keep first-arrival order
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues (finished or aborted) and free its blocks."""
@@ -149,7 +148,7 @@ class Scheduler:
             if self._room is not None else None
         starving = self._starving_adapter(pinned)
         draining = self._draining(starving, pinned, active) if starving is not None else None
-        for seq in self.waiting:
+        for seq in self._admission_order(starving, active):
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
                 break
             name = seq.lora_name
@@ -170,12 +169,32 @@ class Scheduler:
             self.waiting.remove(seq)
             self.running.append(seq)
 
+    def _admission_order(self, starving: str | None, active: _ActiveAdapters | None) -> list[Sequence]:
+        """The waiting requests in the order they are offered a place: the starving adapter's, then those
+        that need no new adapter (base model, running or pinned adapters), first come first served; then the
+        other adapters' requests, the adapter with the most waiting requests first (the pool's room carries
+        the most requests that way), each adapter's first come first served."""
+        if active is None:
+            return list(self.waiting)
+        first, later = [], {}
+        for seq in self.waiting:
+            name = seq.lora_name
+            if name == starving or name is None or name in active.names:
+                first.append(seq)
+            else:
+                later.setdefault(name, []).append(seq)
+        if starving is not None:
+            first.sort(key=lambda seq: seq.lora_name != starving)  # stable: each part stays in arrival order
+        for group in sorted(later.values(), key=len, reverse=True):  # stable: ties in order of first arrival
+            first += group
+        return first
+
     def _may_run(self, name: str, starving: str | None, draining: str | None, active: _ActiveAdapters) -> bool:
         """Whether a request of the (unpinned) adapter `name` may be admitted now."""
         if name in self._running_loras:
             return name != draining  # a draining adapter takes no new requests: its room goes to the starving one
-        if starving is not None and name != starving:
-            return False  # room that frees goes to the starving adapter first
+        if starving is not None and name != starving and not active.fits(starving):
+            return False  # room that frees is kept for the starving adapter
         return active.fits(name)
 
     def _starving_adapter(self, pinned: AbstractSet[str]) -> str | None:

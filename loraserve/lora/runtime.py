@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from loraserve.config import CacheConfig, LoRAConfig
+from loraserve.config import LoRAConfig
 from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
@@ -34,23 +34,21 @@ from loraserve.models.lora_spec import LoRAModelSpec
 
 logger = logging.getLogger(__name__)
 
-# Without lora_gpu_memory: this share of the memory left after the weights (within gpu_memory_utilization)
-# goes to the adapter pool. Measured on an H100 with Llama-3-8B: 0.22 left the KV cache 73.5 % of its blocks
-# without LoRA; 0.19 keeps more than 75 % and still holds 128 rank-16 adapters.
-DEFAULT_POOL_SHARE = 0.19
+# Without lora_gpu_memory the adapter pool takes this share of the memory the KV cache could take, and more
+# where the KV cache could never use it all (max_num_seqs sequences of max_model_len need less), up to room
+# for max_loras adapters of max_lora_rank: the KV cache keeps at least ~75 % of the blocks it has without
+# LoRA (docs/experiments.md).
+DEFAULT_POOL_SHARE = 0.22
 CPU_POOL_BYTES = 256 * 2**20  # the default pool on a CPU: at most this, at most max_loras adapters of max rank
 
 
-def pool_bytes(lora: LoRAConfig, cache: CacheConfig, device: torch.device) -> int | None:
-    """The adapter pool's size in bytes: lora_gpu_memory when set, else DEFAULT_POOL_SHARE of the free device
-    memory within gpu_memory_utilization (CUDA); None on a CPU without lora_gpu_memory (the runtime then sizes it
-    by max_loras)."""
-    if lora.lora_gpu_memory is not None:
-        return int(lora.lora_gpu_memory * 2**30)
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return int(max(0.0, free - total * (1.0 - cache.gpu_memory_utilization)) * DEFAULT_POOL_SHARE)
+@dataclass(frozen=True)
+class KVRoom:
+    """What the KV cache could take on the device before it is allocated, and the most it can ever use
+    (bytes); the default adapter pool is sized against it."""
+
+    available: int
+    useful: int
 
 
 @dataclass(frozen=True)
@@ -66,12 +64,13 @@ class LoRARuntime:
 
     `max_step_tokens`: the most tokens one forward pass holds (SchedulerConfig.max_step_tokens), which sizes
     the metadata. `model_name`: the served model's name, compared with an adapter's base model at load.
-    `pool_bytes`: the adapter pool's size (see `pool_bytes`; None: room for max_loras adapters of max rank,
-    at most CPU_POOL_BYTES).
+    The adapter pool holds lora_gpu_memory GiB when set; else, with `kv_room` (CUDA), DEFAULT_POOL_SHARE of
+    the KV cache's room, or more as above; else (a CPU) room for max_loras adapters of max rank, at most
+    CPU_POOL_BYTES.
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, max_step_tokens: int, model_name: str | None,
-                 pool_bytes: int | None = None):
+                 kv_room: KVRoom | None = None):
         self.config = config
         self.spec: LoRAModelSpec = replace(model.lora_spec(), model_name=model_name)
         param = next(model.parameters())
@@ -85,7 +84,7 @@ class LoRARuntime:
             attrs.append(target.attr)
         layout = PageLayout([(attr, layer.in_features, layer.out_features, layer.slice_offsets)
                              for attr, (_, layer) in zip(attrs, self.layers)])
-        self.pool = AdapterPool(layout, self._num_pages(layout, pool_bytes), config.max_lora_rank, self.dtype,
+        self.pool = AdapterPool(layout, self._num_pages(layout, kv_room), config.max_lora_rank, self.dtype,
                                 self.device)
         for i, (_, layer) in enumerate(self.layers):
             layer.bind_pool(*self.pool.layer_views(i), self.pool.rank_width)
@@ -102,11 +101,17 @@ class LoRARuntime:
                                        self._allocate_scratch(min(SIDE_STREAM_MAX_TOKENS, max_step_tokens)))
             self._load_stream = torch.cuda.Stream(self.device)
 
-    def _num_pages(self, layout: PageLayout, size: int | None) -> int:
+    def _num_pages(self, layout: PageLayout, kv_room: KVRoom | None) -> int:
         page_bytes = layout.page_elems * torch.empty((), dtype=self.dtype).element_size()
         max_pages = cdiv(self.config.max_lora_rank, PAGE_RANK)
-        if size is None:
-            return max(max_pages, min(CPU_POOL_BYTES // page_bytes, self.config.max_loras * max_pages))
+        step_pages = self.config.max_loras * max_pages  # the most one step can use
+        if self.config.lora_gpu_memory is not None:
+            size = int(self.config.lora_gpu_memory * 2**30)
+        elif kv_room is not None:
+            unused_by_kv = min(kv_room.available - kv_room.useful, step_pages * page_bytes)
+            size = int(max(DEFAULT_POOL_SHARE * kv_room.available, unused_by_kv))
+        else:
+            return max(max_pages, min(CPU_POOL_BYTES // page_bytes, step_pages))
         pages = size // page_bytes
         if pages < max_pages:
             raise ValueError(f"the LoRA pool of {size / 2**30:.3g} GiB holds {pages} pages of {page_bytes / 2**20:.1f} "

@@ -19,6 +19,35 @@ from loraserve.worker.step_inputs import PendingTokenFill, StepInputs
 logger = logging.getLogger(__name__)
 
 
+def kv_bytes_per_block(attn_layers: list[PagedAttention], block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block in every attention layer."""
+    a = attn_layers[0]
+    return 2 * len(attn_layers) * block_size * a.num_kv_heads * a.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def useful_kv_blocks(config: EngineConfig) -> int:
+    """The most KV blocks the engine can ever hold at once: max_num_seqs sequences of max_model_len."""
+    return config.scheduler.max_num_seqs * -(-config.model.max_model_len // config.cache.block_size)
+
+
+def kv_room_bytes(model, config: EngineConfig) -> int:
+    """CUDA memory free now for the KV cache: within gpu_memory_utilization, less a reserve for activations
+    (the step's widest intermediates and the logits)."""
+    free, total = torch.cuda.mem_get_info(config.model.device)
+    cfg, sched = model.config, config.scheduler
+    width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size
+    reserve = 2**30 + sched.max_num_batched_tokens * width * 4 * 4 + sched.max_num_seqs * cfg.vocab_size * 4 * 4
+    return int(max(0.0, free - total * (1.0 - config.cache.gpu_memory_utilization) - reserve))
+
+
+def kv_cache_need(model, config: EngineConfig) -> tuple[int, int]:
+    """(bytes the KV cache could take now, bytes it can ever use) on CUDA, before the cache is allocated: what
+    the LoRA adapter pool is sized against."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    block = kv_bytes_per_block(layers, config.cache.block_size, config.model.dtype)
+    return kv_room_bytes(model, config), useful_kv_blocks(config) * block
+
+
 @dataclass
 class LaunchedStep:
     """A step launched on the device: the sequences that sample (in row order) and their samples."""
@@ -52,19 +81,15 @@ class ModelRunner:
 
     # -- KV cache -----------------------------------------------------------
     def _bytes_per_block(self) -> int:
-        a = self.attn_layers[0]
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim * elem
+        return kv_bytes_per_block(self.attn_layers, self.block_size, self.dtype)
 
     def _count_kv_blocks(self) -> int:
-        cache, sched = self.config.cache, self.config.scheduler
-        useful = sched.max_num_seqs * self.max_blocks_per_seq  # more than this can never be used
+        cache = self.config.cache
+        useful = useful_kv_blocks(self.config)  # more than this can never be used
         if cache.num_gpu_blocks_override is not None:
             blocks = cache.num_gpu_blocks_override
         elif self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            reserve = total * (1.0 - cache.gpu_memory_utilization) + self._activation_reserve()
-            blocks = min(useful, int(max(0.0, free - reserve) // self._bytes_per_block()))
+            blocks = min(useful, kv_room_bytes(self.model, self.config) // self._bytes_per_block())
         else:
             blocks = min(useful, int(cache.cpu_kv_cache_gb * 2**30 // self._bytes_per_block()))
         if blocks * self.block_size < self.config.model.max_model_len:
@@ -72,12 +97,6 @@ class ModelRunner:
                              f"sequence of max_model_len={self.config.model.max_model_len} needs; lower "
                              "max_model_len or give the cache more memory")
         return blocks
-
-    def _activation_reserve(self) -> float:
-        cfg, sched = self.model.config, self.config.scheduler
-        t = sched.max_num_batched_tokens
-        width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size
-        return 2**30 + t * width * 4 * 4 + sched.max_num_seqs * cfg.vocab_size * 4 * 4
 
     def _allocate_kv_cache(self) -> None:
         for layer in self.attn_layers:

@@ -244,8 +244,9 @@ def test_adapters_share_the_pool_by_their_pages():
 def test_waiting_loras_lists_the_adapters_to_load_ahead():
     config = SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64)
     sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=4), FakeRoom())
-    for i, name in enumerate(["a", None, "b", "a", "c", "d"]):
+    for i, name in enumerate(["a", "b", "c", "c", "d", "b", "b"]):
         sched.add(_seq(i, 4, 4, name))
-    sched.schedule()  # "a" runs (one sequence at most)
-    assert sched.waiting_loras(limit=2) == ["b", "c"]
-    assert sched.waiting_loras(limit=10) == ["b", "c", "d"]
+    ran = sched.schedule().scheduled  # one sequence at most: of "b", the adapter with the most requests
+    assert [item.seq.request_id for item in ran] == ["r1"]
+    assert sched.waiting_loras(limit=2) == ["c", "a"]  # "b" runs; "c" has two requests; "a" came before "d"
+    assert sched.waiting_loras(limit=10) == ["c", "a", "d"]

@@ -1,6 +1,7 @@
 """The paged GPU adapter pool (on the CPU here): packing, memory at an adapter's own rank, stale pages,
 and the manager's bookkeeping under 10,000 random load / evict / request events."""
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -21,12 +22,15 @@ QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 def tiny_runtime(max_loras=8, max_rank=64, pages=None, **lora):
     """A LoRA runtime on synthetic:tiny (fp32, CPU) whose pool holds `pages` pages (default: its CPU default)."""
-    model = open_model("synthetic:tiny").load(torch.device("cpu"), torch.float32).model
+    def build(config):
+        return LoRARuntime(open_model("synthetic:tiny").load(torch.device("cpu"), torch.float32).model, config, 64,
+                           None)
+
     config = LoRAConfig(max_loras=max_loras, max_lora_rank=max_rank, **lora)
-    probe = LoRARuntime(open_model("synthetic:tiny").load(torch.device("cpu"), torch.float32).model, config, 64,
-                        None) if pages is not None else None
-    size = None if pages is None else int((pages + 0.5) * probe.pool.page_bytes)
-    return LoRARuntime(model, config, 64, None, size)
+    if pages is None:
+        return build(config)
+    page_bytes = build(config).pool.page_bytes
+    return build(replace(config, lora_gpu_memory=(pages + 0.5) * page_bytes / 2**30))
 
 
 def own_bytes(adapter, dtype=torch.float32):

@@ -1,0 +1,59 @@
+"""benchmarks/many_adapters.py on the CPU: the tiny model, --quick, a zipf and the fairness scenario; the JSON
+has every reported field with plausible values; `loraserve bench many-adapters` runs that script."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from loraserve.entrypoints import cli
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import many_adapters  # noqa: E402 (the benchmark under test)
+
+RUN_FIELDS = ("output_tok_s", "vs_base_tok_s", "engine_steps", "vs_base_steps", "mean_decode_batch",
+              "vs_base_decode_batch", "mean_distinct_adapters", "floor", "achieved_vs_floor", "vs_base_floor",
+              "h2d_adapter_bytes", "gpu_loads", "gpu_evictions", "pool_bytes_used_peak", "pool_bytes_total",
+              "ttft_s", "itl_s", "finished", "requests")
+
+
+def test_many_adapters_quick(tmp_path):
+    assert many_adapters.main(["--model", "synthetic:tiny", "--device", "cpu", "--quick",
+                               "--scenarios", "8-zipf,fairness", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "many_adapters.json").read_text())
+    runs = report["runs"]
+    assert list(runs) == ["base", "8-zipf", "fairness"]
+    assert report["bandwidth_bytes_per_s"] > 0 and report["gemm_flop_per_s"] > 0
+    for name, run in runs.items():
+        assert set(RUN_FIELDS) <= set(run), name
+        assert run["finished"] == run["requests"] == 32, name
+        assert run["engine_steps"] > 0 and run["output_tok_s"] > 0, name
+        assert 0 < run["mean_decode_batch"] <= 32, name
+        assert 0 < run["achieved_vs_floor"] < 1.5, name
+        floor = run["floor"]
+        assert floor["floor_s"] >= max(floor["byte_floor_s"], floor["flop_floor_s"]) > 0, name
+        assert floor["bytes"] == floor["weight_bytes"] + floor["kv_bytes"] + floor["adapter_bytes"], name
+        assert run["ttft_s"]["all"]["p99"] >= run["ttft_s"]["all"]["p50"] > 0, name
+        assert run["itl_s"]["p50"] > 0, name
+    base, zipf, fair = runs["base"], runs["8-zipf"], runs["fairness"]
+    assert base["floor"]["adapter_bytes"] == 0 and base["mean_distinct_adapters"] == 0
+    assert base["vs_base_steps"] == 1.0
+    assert zipf["num_adapters"] == 8 and zipf["request_rate"] is None
+    assert 1 <= zipf["mean_distinct_adapters"] <= 8
+    assert zipf["gpu_loads"] >= 1 and zipf["h2d_adapter_bytes"] > 0 and zipf["floor"]["adapter_bytes"] > 0
+    assert 0 < zipf["pool_bytes_used_peak"] <= zipf["pool_bytes_total"]
+    assert {"hot", "cold"} <= set(zipf["ttft_s"])
+    assert fair["request_rate"] == many_adapters.FAIRNESS_RATE
+    assert fair["ttft_s"]["hot"]["requests"] + fair["ttft_s"]["cold"]["requests"] == 32
+    checks = {c["name"]: c for c in report["checks"]}
+    assert checks["fairness: requests finished"]["passed"] is True
+    assert "fairness: cold p99 TTFT / hot p99 TTFT" in checks
+    assert (tmp_path / "many_adapters.png").exists() or importlib.util.find_spec("matplotlib") is None
+
+
+def test_cli_runs_the_script(monkeypatch):
+    ran = []
+    monkeypatch.setattr(cli.runpy, "run_path", lambda path, run_name: ran.append((path, list(sys.argv[1:]))))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert cli.main(["bench", "many-adapters", "--quick"]) == 0
+    assert ran == [(str(BENCHMARKS / "many_adapters.py"), ["--quick"])]
