@@ -1,0 +1,183 @@
+"""Cold-start benchmark: what a first request for an adapter on disk costs the requests already running.
+
+One LoRA engine serves a steady decode load: --hot-requests requests of one resident adapter, all at t=0,
+--hot-output tokens each. Once they all decode, a new request arrives every --interval steps, each naming
+another adapter; the hot requests' inter-token latencies (ITL) are recorded over the arrival window. The
+window runs twice on the same engine with the same arrivals:
+
+- warm: the new requests' adapters are already registered and resident in the GPU pool;
+- cold: they are PEFT folders under the engine's --lora-root, never seen before. As the server does, each
+  folder is read and validated on a worker thread (`load_lora_weights`) while the engine keeps stepping; the
+  request is added when its adapter is read, and its weights are copied into the pool ahead of its step.
+
+The cold/warm ratio of the hot requests' ITL p99 is the cost of cold starts (target: at most 1.10). The
+adapters are random (rank --rank on all seven projections) and written to a temporary folder first.
+
+    python benchmarks/cold_start.py --model synthetic:llama-3-8b --out /tmp/bench/cold_start
+    python benchmarks/cold_start.py --model synthetic:tiny --device cpu --quick --out /tmp/b
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
+
+import numpy as np  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import bench_common as bc  # noqa: E402
+from loraserve import SamplingParams  # noqa: E402
+from loraserve.config import EngineArgs  # noqa: E402
+from loraserve.engine.engine import LLMEngine  # noqa: E402
+from loraserve.lora.request import LoRARequest  # noqa: E402
+from loraserve.lora.synthetic import ALL_TARGETS, random_adapter  # noqa: E402
+
+ITL_P99_LIMIT = 1.10  # cold / warm ITL p99 of the requests already running
+_MODULE_PATH = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in ALL_TARGETS}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bc.add_common_args(p, "synthetic:llama-3-8b")
+    p.add_argument("--hot-requests", type=int, default=None, help="requests of the resident adapter (default 64)")
+    p.add_argument("--hot-output", type=int, default=None, help="their output tokens (default 1024)")
+    p.add_argument("--new-adapters", type=int, default=None, help="new requests, one adapter each (default 16)")
+    p.add_argument("--interval", type=int, default=8, help="steps between two new requests")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of every request")
+    p.add_argument("--rank", type=int, default=16, help="rank of every adapter")
+    args = p.parse_args(argv)
+    args.hot_requests = args.hot_requests or (4 if args.quick else 64)
+    args.hot_output = args.hot_output or (48 if args.quick else 1024)
+    args.new_adapters = args.new_adapters or (3 if args.quick else 16)
+    if args.hot_output <= args.new_adapters * args.interval + 2 * args.interval:
+        p.error("--hot-output must outlast the arrival window (new adapters x interval steps)")
+    return args
+
+
+def write_peft_folder(folder: str, adapter, rank: int) -> None:
+    """`adapter` (loraserve.lora.adapter.LoRAAdapter, scaling 1 folded in B) as a PEFT folder: alpha = rank."""
+    os.makedirs(folder, exist_ok=True)
+    tensors = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        key = f"base_model.model.model.layers.{layer}.{_MODULE_PATH[module]}.{module}"
+        tensors[f"{key}.lora_A.weight"] = a.contiguous()  # [r, in]
+        tensors[f"{key}.lora_B.weight"] = b.contiguous()  # [out, r]
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(ALL_TARGETS)}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def hot_itls(stamps: dict[str, list[float]], start: float, end: float) -> list[float]:
+    """The hot requests' gaps between consecutive tokens whose later token came in [start, end)."""
+    return [b - a for times in stamps.values() for a, b in zip(times, times[1:]) if start <= b < end]
+
+
+def run_window(engine, args, variant: str, root: str, rng) -> dict:
+    """Start the hot load, wait until it decodes, then add one new request every --interval steps (adapters
+    c-<variant>-<j>: resident beforehand when warm, read from the root on a worker thread when cold)."""
+    params_hot = SamplingParams(max_tokens=args.hot_output, ignore_eos=True, temperature=0.0)
+    params_new = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+    vocab = engine.hf_config.vocab_size
+    hot = {f"{variant}-hot-{i}": [] for i in range(args.hot_requests)}
+    for rid in hot:
+        engine.add_request(rid, rng.integers(0, vocab, args.prompt_len).tolist(), params_hot, LoRARequest("hot"))
+    names = [f"{variant}-{j}" for j in range(args.new_adapters)]
+    if variant == "warm":  # read, registered and resident before the window
+        for name in names:
+            engine.add_lora(LoRARequest(name, os.path.join(root, name)))
+        engine.lora_manager.prepare(set(names), engine.scheduler.running_loras())
+    reader = ThreadPoolExecutor(max_workers=1)
+    reads: list[tuple[str, Future]] = []
+    step, next_new, window = 0, 0, [None, None]
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        decoding = all(stamps for stamps in hot.values())
+        if decoding and window[0] is None:
+            window[0], first_new_step = time.perf_counter() - start, step + args.interval
+        if window[0] is not None and next_new < len(names) and step == first_new_step + next_new * args.interval:
+            request = LoRARequest(names[next_new], os.path.join(root, names[next_new]))
+            if variant == "cold":  # as the server does: the files are read off the engine thread
+                reads.append((names[next_new], reader.submit(engine.load_lora_weights, request)))
+            else:
+                engine.add_request(f"new-{names[next_new]}", rng.integers(0, vocab, args.prompt_len).tolist(),
+                                   params_new, request)
+            next_new += 1
+        for name, future in [r for r in reads if r[1].done()]:
+            reads.remove((name, future))
+            engine.add_lora(LoRARequest(name, os.path.join(root, name)), loaded=future.result())
+            engine.add_request(f"new-{name}", rng.integers(0, vocab, args.prompt_len).tolist(), params_new,
+                               LoRARequest(name))
+        outputs = engine.step()
+        step += 1
+        stamp = time.perf_counter() - start
+        for out in outputs:
+            if out.request_id in hot:
+                got = hot[out.request_id]
+                got.extend([stamp] * (len(out.outputs[0].token_ids) - len(got)))
+        if window[1] is None and next_new == len(names) and not reads:
+            window[1] = stamp + args.interval * (stamp / step)  # a few steps past the last arrival
+    reader.shutdown()
+    itls = hot_itls(hot, window[0], window[1])
+    return {"variant": variant, "window_s": [window[0], window[1]], "hot_itl_s": bc.percentiles(itls),
+            "hot_itls_in_window": len(itls), "steps": step}
+
+
+def warm_up(engine, args, adapter, rng) -> None:
+    """Prefill, decode and mixed steps with adapters once, so kernel compilation falls outside the windows."""
+    engine.lora_manager.register_adapter("warm-up", adapter)
+    vocab = engine.hf_config.vocab_size
+    for i, name in enumerate(["hot", "hot", "warm-up", None]):
+        engine.add_request(f"warm-up-{i}", rng.integers(0, vocab, args.prompt_len).tolist(),
+                           SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True, temperature=0.0),
+                           LoRARequest(name) if name else None)
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = bc.bench_device(args.device)
+    rng = np.random.default_rng(args.seed)
+    engine = LLMEngine.from_args(EngineArgs(
+        args.model, device=device, dtype=args.dtype, max_model_len=args.prompt_len + args.hot_output + 1,
+        max_num_seqs=max(args.hot_requests + args.new_adapters, 8), seed=args.seed, enable_lora=True,
+        max_lora_rank=args.rank))
+    spec = engine.lora_manager.runtime.spec
+    report = {"benchmark": "cold_start", "args": vars(args), "env": bc.environment(device), "runs": {}}
+    with tempfile.TemporaryDirectory(prefix="cold-start-adapters-") as root:
+        made = [random_adapter(spec, f"w{i}", args.rank, seed=args.seed + i) for i in range(2)]
+        for variant in ("warm", "cold"):
+            for j in range(args.new_adapters):
+                write_peft_folder(os.path.join(root, f"{variant}-{j}"), made[j % len(made)], args.rank)
+        engine.lora_manager.register_adapter("hot", made[0])
+        warm_up(engine, args, made[1], rng)
+        for variant in ("warm", "cold"):
+            report["runs"][variant] = run_window(engine, args, variant, root, rng)
+    warm, cold = (report["runs"][v]["hot_itl_s"] for v in ("warm", "cold"))
+    ratio = cold["p99"] / warm["p99"] if warm["p99"] and cold["p99"] else None
+    for variant, run in report["runs"].items():
+        itl = run["hot_itl_s"]
+        print(f"{variant}: {args.new_adapters} new requests, one every {args.interval} steps, beside "
+              f"{args.hot_requests} decoding requests: their ITL p50 {1e3 * itl['p50']:.2f} ms, p90 "
+              f"{1e3 * itl['p90']:.2f} ms, p99 {1e3 * itl['p99']:.2f} ms ({run['hot_itls_in_window']} gaps)")
+    checks = [bc.Check("cold / warm ITL p99 of the requests already running",
+                       f"{ratio:.3f}" if ratio is not None else "not measured", f"<= {ITL_P99_LIMIT}",
+                       None if ratio is None else ratio <= ITL_P99_LIMIT)]
+    report["checks"] = [vars(c) for c in checks]
+    bc.print_checks(checks)
+    bc.write_json(args.out, "cold_start.json", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
