@@ -1,7 +1,7 @@
 """Cold-start benchmark: what a first request for an adapter on disk costs the requests already running.
 
 One LoRA engine serves a steady decode load: --hot-requests requests of one resident adapter, all at t=0,
---hot-output tokens each. Once they all decode, a new request arrives every --interval steps, each naming
+--hot-output tokens each (they must outlast the arrival window, or the run stops with an error). Once they all decode, a new request arrives every --interval steps, each naming
 another adapter; the hot requests' inter-token latencies (ITL) are recorded over the arrival window. The
 window runs twice on the same engine with the same arrivals:
 
@@ -48,14 +48,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(p, "synthetic:llama-3-8b")
     p.add_argument("--hot-requests", type=int, default=None, help="requests of the resident adapter (default 64)")
-    p.add_argument("--hot-output", type=int, default=None, help="their output tokens (default 1024)")
+    p.add_argument("--hot-output", type=int, default=None, help="their output tokens (default 2048)")
     p.add_argument("--new-adapters", type=int, default=None, help="new requests, one adapter each (default 16)")
     p.add_argument("--interval", type=int, default=8, help="steps between two new requests")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of every request")
     p.add_argument("--rank", type=int, default=16, help="rank of every adapter")
     args = p.parse_args(argv)
     args.hot_requests = args.hot_requests or (4 if args.quick else 64)
-    args.hot_output = args.hot_output or (48 if args.quick else 1024)
+    args.hot_output = args.hot_output or (48 if args.quick else 2048)
     args.new_adapters = args.new_adapters or (3 if args.quick else 16)
     if args.hot_output <= args.new_adapters * args.interval + 2 * args.interval:
         p.error("--hot-output must outlast the arrival window (new adapters x interval steps)")
@@ -99,7 +99,7 @@ def run_window(engine, args, variant: str, root: str, rng) -> dict:
     reads: list[tuple[str, Future]] = []
     step, next_new, window = 0, 0, [None, None]
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or reads or (window[0] is not None and next_new < len(names)):
         decoding = all(stamps for stamps in hot.values())
         if decoding and window[0] is None:
             window[0], first_new_step = time.perf_counter() - start, step + args.interval
@@ -116,6 +116,9 @@ def run_window(engine, args, variant: str, root: str, rng) -> dict:
             engine.add_lora(LoRARequest(name, os.path.join(root, name)), loaded=future.result())
             engine.add_request(f"new-{name}", rng.integers(0, vocab, args.prompt_len).tolist(), params_new,
                                LoRARequest(name))
+        if not engine.has_unfinished_requests():  # only reads in flight: wait for them
+            time.sleep(0.001)
+            continue
         outputs = engine.step()
         step += 1
         stamp = time.perf_counter() - start
@@ -126,6 +129,9 @@ def run_window(engine, args, variant: str, root: str, rng) -> dict:
         if window[1] is None and next_new == len(names) and not reads:
             window[1] = stamp + args.interval * (stamp / step)  # a few steps past the last arrival
     reader.shutdown()
+    last_hot = min(stamps[-1] for stamps in hot.values())
+    if window[1] is None or window[1] > last_hot:
+        raise SystemExit(f"{variant}: the hot requests ended before the arrival window did; raise --hot-output")
     itls = hot_itls(hot, window[0], window[1])
     return {"variant": variant, "window_s": [window[0], window[1]], "hot_itl_s": bc.percentiles(itls),
             "hot_itls_in_window": len(itls), "steps": step}

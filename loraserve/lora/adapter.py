@@ -166,10 +166,9 @@ def _check_tensor(name: str, module: str, which: str, t: torch.Tensor) -> torch.
     if t.dim() != 2:
         raise LoRAAdapterError(name, f"{which} has shape {tuple(t.shape)}, expected a matrix", module)
     t = t.to(torch.float32)
-    if torch.isnan(t).any():
-        raise LoRAAdapterError(name, f"{which} contains NaN values", module)
-    if torch.isinf(t).any():
-        raise LoRAAdapterError(name, f"{which} contains Inf values", module)
+    if not torch.isfinite(t).all():  # one pass over the weights; which kind only when there is one
+        kind = "NaN" if torch.isnan(t).any() else "Inf"
+        raise LoRAAdapterError(name, f"{which} contains {kind} values", module)
     return t
 
 

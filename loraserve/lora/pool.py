@@ -162,11 +162,15 @@ class AdapterPool:
                     continue
                 a, b = pair  # a: [rank, in], b: [out_s, rank]
                 lo, hi = r.slice_offsets[s], r.slice_offsets[s + 1]
-                for p in range(cdiv(a.shape[0], PAGE_RANK)):
-                    rows = slice(p * PAGE_RANK, min((p + 1) * PAGE_RANK, a.shape[0]))
-                    n = rows.stop - rows.start
-                    a_pages[p, s, :n] = a[rows]
-                    b_pages[p, :n, lo:hi] = b[:, rows].T
+                full = a.shape[0] // PAGE_RANK  # whole pages in one copy each for A and B, then the rest
+                if full:
+                    rows = full * PAGE_RANK
+                    a_pages[:full, s] = a[:rows].reshape(full, PAGE_RANK, -1)
+                    b_pages[:full, :, lo:hi] = b[:, :rows].T.reshape(full, PAGE_RANK, -1)
+                rest = a.shape[0] - full * PAGE_RANK
+                if rest:
+                    a_pages[full, s, :rest] = a[full * PAGE_RANK:]
+                    b_pages[full, :rest, lo:hi] = b[:, full * PAGE_RANK:].T
         return PackedAdapter(data, start, ranks.pin_memory() if pin else ranks)
 
     # -- pages and ids ------------------------------------------------------------------
