@@ -22,7 +22,7 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata
-    # The LoRA runtime's state for this pass (a loraserve.lora.runtime.LoRABatch: the step's token -> slot
+    # The LoRA runtime's state for this pass (a loraserve.lora.runtime.LoRABatch: the step's token -> adapter
     # metadata and where the LoRA products run), read by the LoRA layers only; the model passes it along.
     # None: no LoRA kernels in this pass.
     lora: Any = None

@@ -89,7 +89,7 @@ class LoRALinear(nn.Module):
         # x: [T, in] -> y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
-        self._fork.record(side.main)  # x, the metadata and the slot weights are ready
+        self._fork.record(side.main)  # x, the metadata and the adapter weights are ready
         if self.gemm_first:
             y = self.base(x).y
             delta = self._launch_on_side(x, meta, side)

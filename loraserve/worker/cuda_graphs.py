@@ -3,11 +3,11 @@
 Every input of a decode step lives in static device buffers sized for the
 largest bucket; a step is padded to the smallest bucket that holds the batch
 (StepInputs.pad_into: padding rows point at the dummy KV block, have seq_len 0
-and LoRA slot -1, so they can't touch real sequences) straight into a pinned
+and adapter -1, so they can't touch real sequences) straight into a pinned
 host buffer, copied to the device with one non-blocking copy (plus the LoRA
 metadata's own copy), and that bucket's graph is replayed. With LoRA enabled the
 LoRA kernels are always captured: adapters loaded later are picked up by the
-same graphs, since slot storage and metadata buffers never move.
+same graphs, since the adapter pool, its page table and the metadata buffers never move.
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 class GraphInputs(NamedTuple):
     """The decode graphs' static inputs for up to B rows: views of one int32 vector laid out as
     input_ids [B] | positions [B] | slot_mapping [B] | seq_lens [B] | token_adapters [B] | block_tables [B, MB].
-    The same layout serves the device buffer and the pinned host buffers it is copied from (the LoRA
-    slots go from there into the LoRA metadata; on the device they are not read)."""
+    The same layout serves the device buffer and the pinned host buffers it is copied from (the tokens'
+    adapter ids go from there into the LoRA metadata; on the device they are not read)."""
 
     input_ids: torch.Tensor  # [B]
     positions: torch.Tensor  # [B]

@@ -72,7 +72,7 @@ class StepInputs:
         positions, slot_mapping, seq_lens, token_adapters and block_tables (numpy arrays at least that
         long, block_tables at least as wide as this step's): the CUDA graphs' padding rule.
 
-        Padding rows have token 0, position 0, seq_len 0 and LoRA slot -1, and write their K/V into the
+        Padding rows have token 0, position 0, seq_len 0 and adapter -1, and write their K/V into the
         dummy block; every table entry past a row's own blocks is the dummy block. So padding can touch
         no real sequence's KV cache or output."""
         n = self.num_tokens

@@ -68,15 +68,18 @@ def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_
     paths = make_lora_adapters(folder, tmp_path_factory.mktemp("churn"), specs, seed=7)
     rng = random.Random(5)
     jobs = [(rng.randrange(8), [rng.randrange(3, 1000) for _ in range(rng.randint(2, 12))]) for _ in range(200)]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+    tight_outputs = []
 
-    def run(llm, batch_size):
+    def run(llm, batch_size, keep=None):
         results = []
         for start in range(0, len(jobs), batch_size):
             chunk = jobs[start:start + batch_size]
             outs = llm.generate([{"prompt_token_ids": p} for _, p in chunk], params,
                                 lora_request=[LoRARequest(f"a{i}", paths[i]) for i, _ in chunk])
             results += [o.outputs[0].token_ids for o in outs]
+            if keep is not None:
+                keep += outs
         return results
 
     roomy = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=8, max_lora_rank=16,
@@ -101,7 +104,12 @@ def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_
         return outputs
 
     engine.step = checked_step
-    assert run(tight, 16) == expected
+    assert run(tight, 16, tight_outputs) == expected
+    # under heavy eviction the outputs still equal PEFT's (tokens, and logprobs within 1e-4), every 8th job
+    peft = _peft_model(folder, {f"a{i}": path for i, path in enumerate(paths)})
+    for (i, prompt), out in list(zip(jobs, tight_outputs))[::8]:
+        ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids, adapter_names=[f"a{i}"])
+        assert_matches_reference(out, ref)
     assert peak["pages"] <= 4 and peak["cpu"] <= 3 and peak["running"] == 2
     assert manager.num_gpu_evictions > 0 and not manager.refcounts
     # pages only return on eviction: what is resident accounts for every used page
