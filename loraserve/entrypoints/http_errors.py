@@ -1,10 +1,14 @@
 """HTTP errors of the server: exceptions -> OpenAI error JSON with the right status, and the API key guard.
 
-Wrong types and bodies that are not JSON are 422; every other invalid request is 400.
+Every invalid request is 400, as OpenAI and vLLM answer it: a body that is not JSON, a wrong type, a missing
+or bad value. Each error answered here is reported once to the server's `on_error` (its metrics), unless the
+route already counted it under the request's adapter.
 """
 from __future__ import annotations
 
 import hmac
+
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -63,31 +67,34 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def _api_error_response(request: Request, exc: Exception) -> JSONResponse:
-    err = api_error_from(exc)
-    return JSONResponse(err.body(), status_code=err.status)
-
-
-async def _validation_error_response(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 for a body that is not JSON or has a wrong type; 400 for a missing or bad value."""
-    errors = exc.errors()
-    wrong_type = any(e["type"] == "json_invalid" or e["type"].endswith(("_type", "_parsing"))
-                     or tuple(e["loc"]) == ("body",) for e in errors)
-    first = errors[0]
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """400 naming the first bad field (or the body, when it is not JSON)."""
+    first = exc.errors()[0]
     param = ".".join(str(x) for x in first["loc"][1:]) or None
     message = f"{param}: {first['msg']}" if param else f"request body: {first['msg']}"
-    err = APIError(422 if wrong_type else 400, message, param=param)
-    return JSONResponse(err.body(), status_code=err.status)
+    return APIError(400, message, param=param)
 
 
-async def _http_error_response(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
-    return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+def install_error_handlers(app: FastAPI, on_error: Callable[[int], None]) -> None:
+    """Answer every error of the app's routes as OpenAI's error JSON; on_error(status) is told of each one not
+    counted yet."""
 
+    def answer(err: APIError, headers=None) -> JSONResponse:
+        if not err.counted:
+            on_error(err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error of the app's routes as OpenAI's error JSON."""
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        return answer(api_error_from(exc))
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return answer(_validation_error(exc))
+
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+        return answer(err, getattr(exc, "headers", None))
+
     for exc_class in (APIError, ValueError, QueueFullError, EngineClosedError, EngineStepError):
-        app.add_exception_handler(exc_class, _api_error_response)
-    app.add_exception_handler(RequestValidationError, _validation_error_response)
-    app.add_exception_handler(StarletteHTTPException, _http_error_response)
+        app.add_exception_handler(exc_class, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)

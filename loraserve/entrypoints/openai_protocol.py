@@ -29,6 +29,7 @@ class APIError(Exception):
         self.message = message
         self.param = param
         self.code = code
+        self.counted = False  # already in the server's request metrics (under the request's adapter)
 
     def body(self) -> dict:
         err_type = _ERROR_TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -118,14 +119,17 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
 
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
+class ContentPart(BaseModel):
+    """One part of a message's content; only text parts are served (check_messages refuses the others)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
     def as_template_message(self) -> dict[str, str]:
@@ -149,6 +153,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError(400, "messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            for part in message.content if isinstance(message.content, list) else ():
+                if part.type != "text" or part.text is None:
+                    raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
+                                        "takes text parts only", param=f"messages.{i}.content")
         return [m.as_template_message() for m in self.messages]
 
     @property

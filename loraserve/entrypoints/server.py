@@ -109,9 +109,15 @@ class _OpenAIServer:
             stream = await self.engine.add_requests(specs)
         except Exception as exc:
             err = api_error_from(exc)
+            if err.status == 404 and lora is not None:  # say which models exist, as OpenAI and vLLM do
+                models = [self.model_names[0], *await self.engine.list_loras()]
+                err = APIError(404, f"the model {body.model!r} does not exist; the models are "
+                                    f"{', '.join(repr(m) for m in models)} ({exc})", param="model",
+                               code="model_not_found")
             known = lora is None or body.model in self.adapter_paths  # no label per unknown name
             self.metrics.record_request(label if known and err.status != 404 else UNKNOWN_MODEL_LABEL,
                                         outcome_of(err.status))
+            err.counted = True
             raise err from exc
         builder = ResponseBuilder(
             chat=chat, response_id=response_id, model=body.model, created=int(time.time()), num_choices=len(specs),
@@ -151,6 +157,7 @@ class _OpenAIServer:
         if consumer.exception() is not None:
             err = api_error_from(consumer.exception())
             self.metrics.record_request(label, outcome_of(err.status))
+            err.counted = True
             raise err
         self.metrics.record_request(label, "success")
         return JSONResponse(builder.response())
@@ -248,7 +255,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
-    install_error_handlers(app)
+    # errors not counted by a route (refused before the request's model was looked at) count as __unknown__
+    install_error_handlers(app, lambda status: server.metrics.record_request(UNKNOWN_MODEL_LABEL,
+                                                                             outcome_of(status)))
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics_text)
     app.get("/v1/models")(server.list_models)

@@ -254,18 +254,34 @@ def test_prompt_too_long_is_400(client, base):
     assert status == 400 and body["param"] == "top_logprobs"
 
 
-def test_wrong_types_and_bad_json_are_422(client, url, base):
+def test_bad_bodies_are_400_and_every_4xx_is_counted(client, url, base):
+    """As OpenAI and vLLM: a wrong type, a body that is not JSON, a missing value, an image part are 400; an
+    unknown model is 404 naming the models that exist; /metrics counts each as rejected."""
+    before = _rejected(url)
     status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", max_tokens="many"))
-    assert status == 422 and body["param"] == "max_tokens"
+    assert status == 400 and body["param"] == "max_tokens"
     status, _ = status_of(lambda: client.chat.completions.create(model=base, messages="not a list"))
-    assert status == 422
+    assert status == 400
     response = httpx.post(f"{url}/v1/completions", content=b'{"model": ', headers={
         "Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
-    assert response.status_code == 422 and response.json()["error"]["message"]
+    assert response.status_code == 400 and response.json()["error"]["message"]
     status, body = status_of(lambda: client.chat.completions.create(model=base, messages=[]))
     assert status == 400 and body["param"] == "messages"
     response = httpx.post(f"{url}/v1/completions", json={"model": base}, headers={"Authorization": f"Bearer {KEY}"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"  # missing, not mistyped
+    status, body = status_of(lambda: client.chat.completions.create(model=base, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]))
+    assert status == 400 and "'image_url' parts are not supported" in body["message"]
+    status, body = status_of(lambda: client.completions.create(model="gpt-4", prompt="Hi", max_tokens=2))
+    assert status == 404 and body["code"] == "model_not_found"
+    assert "'gpt-4' does not exist" in body["message"] and repr(base) in body["message"] and "'a0'" in body["message"]
+    assert _rejected(url) == before + 7  # each of the seven once
+
+
+def _rejected(url):
+    """Requests answered 4xx so far, over every adapter label."""
+    return sum(value for (name, labels), value in read_metrics(url).items()
+               if name == "loraserve_requests_total" and dict(labels).get("outcome") == "rejected")
 
 
 def test_api_key_guards_every_v1_route(url, base):
