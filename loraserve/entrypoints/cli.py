@@ -15,17 +15,28 @@ from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 
 
+DEMO_PROMPT = "What is the capital of France?"
+
+
+def _usage_error(message: str) -> int:
+    """argparse's way: the message on stderr, exit status 2."""
+    print(f"loraserve generate: error: {message}", file=sys.stderr)
+    return 2
+
+
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("prompts", nargs="*", help="prompts (default: read --prompts-file, or one example prompt)")
+    p.add_argument("prompts", nargs="*", help="prompts (and/or --prompts-file; one of them, or --demo, is required)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
+    p.add_argument("--demo", action="store_true", help=f"ask the chat model {DEMO_PROMPT!r} (no prompt needed)")
     add_engine_flags(p)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="in [0, 2], as the server takes it; 0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    p.add_argument("--stop", nargs="*", default=None, help="stop strings")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="a stop string (repeat the flag for more: --stop A --stop B)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--lora", nargs="+", type=parse_lora_module, default=[], metavar="NAME=PATH", help="adapters to register")
     p.add_argument("--lora-root", default=None, metavar="DIR",
@@ -37,10 +48,17 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     prompts = list(args.prompts)
     if args.prompts_file:
-        with open(args.prompts_file) as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
+        try:
+            with open(args.prompts_file) as f:
+                prompts += [line.rstrip("\n") for line in f if line.strip()]
+        except OSError as exc:
+            return _usage_error(f"--prompts-file {args.prompts_file!r}: {exc.strerror or exc}")
+    if args.demo:
+        prompts, args.chat = prompts or [DEMO_PROMPT], True
     if not prompts:
-        prompts = ["What is the capital of France?"]
+        return _usage_error("no prompt: give one or more prompts, a --prompts-file with prompts in it, or --demo")
+    if not 0.0 <= args.temperature <= 2.0:
+        return _usage_error(f"--temperature must be in [0, 2], got {args.temperature}")
     if args.use_lora and args.use_lora not in {n for n, _ in args.lora} and not args.lora_root:
         raise SystemExit(f"--use-lora {args.use_lora!r} is not one of the adapters given with --lora "
                          "(or give --lora-root DIR to take it from DIR)")

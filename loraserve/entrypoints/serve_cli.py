@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 
 from loraserve.config import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
@@ -69,6 +70,7 @@ def run_server(args: argparse.Namespace) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.enable_runtime_lora_updates and not args.lora_root:
         raise SystemExit("--enable-runtime-lora-updates needs --lora-root DIR")
+    check_address_free(args.host, args.port)  # before the model loads, which can take minutes
     engine = LLMEngine.from_args(serve_engine_args(args))
     modules = tuple((name, os.path.realpath(path)) for name, path in args.lora_modules)
     for name, path in modules:
@@ -96,6 +98,18 @@ def run_server(args: argparse.Namespace) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         logger.info("server and engine stopped")
+
+
+def check_address_free(host: str, port: int) -> None:
+    """Exit with a clear message if (host, port) can't be listened on now (another server holds it)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: a listener still blocks it
+            sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"error: cannot listen on {host}:{port}: {exc.strerror or exc} "
+                         "(is another server using it? pick another --port)") from exc
 
 
 def _ignore_signal(signum, frame) -> None:

@@ -114,3 +114,17 @@ def test_default_model_chat():
             assert answer.usage.completion_tokens <= 12
     finally:
         engine.shutdown(drain=False)
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        start = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--model", "/nonexistent/model",
+             "--port", str(port)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr  # not the missing model: it was never read
+    assert "/nonexistent/model" not in proc.stderr and time.monotonic() - start < 60
