@@ -10,7 +10,7 @@ from pathlib import Path
 
 from loraserve.entrypoints.engine_flags import add_engine_flags, engine_args
 from loraserve.entrypoints.llm import LLM
-from loraserve.entrypoints.serve_cli import add_serve_arguments, parse_lora_module, run_server
+from loraserve.entrypoints.serve_cli import add_serve_arguments, package_version, parse_lora_module, run_server
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 
@@ -86,6 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"loraserve {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_arguments(sub.add_parser("generate", help="generate text for prompts (offline)"))
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))

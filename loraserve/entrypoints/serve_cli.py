@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import logging
 import os
 import signal
@@ -98,6 +99,14 @@ def run_server(args: argparse.Namespace) -> None:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         logger.info("server and engine stopped")
+
+
+def package_version() -> str:
+    """The installed loraserve's version ("unknown" when it runs from a source tree that is not installed)."""
+    try:
+        return importlib.metadata.version("loraserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def check_address_free(host: str, port: int) -> None:

@@ -24,6 +24,7 @@ from loraserve.entrypoints.http_errors import APIKeyMiddleware, api_error_from, 
 from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, UNKNOWN_MODEL_LABEL, ServerMetrics, TokenTimer
 from loraserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                    LoadLoRAAdapterRequest, ResponseBuilder, UnloadLoRAAdapterRequest)
+from loraserve.entrypoints.serve_cli import package_version
 from loraserve.errors import InvalidRequestError
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAPathOutsideRootError, resolve_adapter_path
@@ -240,6 +241,9 @@ class _OpenAIServer:
             return Response(status_code=200)
         return JSONResponse(APIError(503, "the engine is not running").body(), status_code=503)
 
+    async def version(self) -> dict:
+        return {"version": package_version()}
+
     async def metrics_text(self) -> Response:
         try:
             self.metrics.update(await self.engine.stats())
@@ -259,6 +263,9 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     install_error_handlers(app, lambda status: server.metrics.record_request(UNKNOWN_MODEL_LABEL,
                                                                              outcome_of(status)))
     app.get("/health")(server.health)
+    app.get("/ping")(server.health)  # vLLM's (and SageMaker's) name for it
+    app.post("/ping")(server.health)
+    app.get("/version")(server.version)
     app.get("/metrics")(server.metrics_text)
     app.get("/v1/models")(server.list_models)
     app.get("/v1/models/{model_id:path}")(server.get_model)

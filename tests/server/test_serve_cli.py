@@ -128,3 +128,9 @@ def test_a_port_in_use_is_refused_before_the_model_loads():
     assert proc.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in proc.stderr  # not the missing model: it was never read
     assert "/nonexistent/model" not in proc.stderr and time.monotonic() - start < 60
+
+
+def test_version_flag():
+    proc = subprocess.run([sys.executable, "-m", "loraserve.entrypoints.cli", "--version"], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().startswith("loraserve ") and proc.stdout.split()[1][0].isdigit()

@@ -6,6 +6,7 @@ unload (with requests in flight), client disconnects, and each error status.
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 
@@ -291,6 +292,8 @@ def test_api_key_guards_every_v1_route(url, base):
             response = httpx.request(method, f"{url}{path}", headers=headers, json={"model": base})
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ping").status_code == 200 and httpx.post(f"{url}/ping").status_code == 200
+    assert httpx.get(f"{url}/version").json() == {"version": importlib.metadata.version("loraserve")}
     assert httpx.get(f"{url}/metrics").status_code == 200
     wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
