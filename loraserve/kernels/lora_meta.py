@@ -59,6 +59,11 @@ class LoRAMeta:
     tile_counters: torch.Tensor
 
     @property
+    def rank_width(self) -> int:
+        """R: the rank rows per slice of the LoRA intermediate [T, S*R] (every rank the page table can hold)."""
+        return self.page_table.shape[1] * PAGE_RANK
+
+    @property
     def num_loras(self) -> int:
         """L: the slots of a step (the base group excluded)."""
         return self.slot_count.shape[0] - 1

@@ -21,7 +21,7 @@ import torch
 
 from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref, rank_max
+from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink
 
 
@@ -42,7 +42,7 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
         return
     num_slices = len(slice_offsets) - 1
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
-    inter = torch.empty(x.shape[0], num_slices * rank_max(meta), dtype=torch.float32, device=x.device)
+    inter = torch.empty(x.shape[0], num_slices * meta.rank_width, dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
     lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=True)
 

@@ -10,16 +10,11 @@ Storage (kernels/lora_meta.py), for a packed layer of S slices and pages of PAGE
   lora_b: [P, PAGE_RANK, N]      page row j: rank row j of B^T; columns slice_offsets[s]: of slice s
   lora_rank: [A] int32           the rank of each adapter id in this layer, 0 = none
   meta.page_table: [A, max_pages] the page of each adapter id's rank rows r // PAGE_RANK
-The intermediate is [T, S*R] with R = max_pages * PAGE_RANK.
+The intermediate is [T, S*R] with R = meta.rank_width = max_pages * PAGE_RANK.
 """
 import torch
 
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
-
-
-def rank_max(meta: LoRAMeta) -> int:
-    """R: the rank rows per slice of the intermediate [T, S*R] (every rank the page table can hold)."""
-    return meta.page_table.shape[1] * PAGE_RANK
 
 
 def _adapter_rows(meta: LoRAMeta, num_tokens: int, lora_rank: torch.Tensor):
@@ -60,7 +55,7 @@ def lora_shrink_ref(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tens
     num_tokens = x.shape[0]
     if lora_a.shape[1] != num_slices * PAGE_RANK:
         raise ValueError(f"lora_a's pages hold {lora_a.shape[1]} rows, not {num_slices} slices of {PAGE_RANK}")
-    r_max = rank_max(meta)
+    r_max = meta.rank_width
     out = torch.zeros(num_tokens, num_slices, r_max, dtype=torch.float32, device=x.device)
     for _, rank, pages, rows in _adapter_rows(meta, num_tokens, lora_rank):
         a = gather_a(lora_a, pages, num_slices, rank).float()  # a: [S, r, in]
@@ -75,7 +70,7 @@ def lora_expand_ref(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.
     """
     num_tokens, n_out = y.shape
     num_slices = len(slice_offsets) - 1
-    r_max = rank_max(meta)
+    r_max = meta.rank_width
     if slice_offsets[0] != 0 or slice_offsets[-1] != n_out:
         raise ValueError(f"slice_offsets {tuple(slice_offsets)} must span 0..{n_out}")
     for _, rank, pages, rows in _adapter_rows(meta, num_tokens, lora_rank):

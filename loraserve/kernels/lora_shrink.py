@@ -274,6 +274,6 @@ def check_pages(meta: LoRAMeta, rank_max: int) -> None:
     if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
         raise ValueError(f"meta.page_table must be int32 [A, max_pages] with contiguous rows, "
                          f"got {list(table.shape)} {table.dtype}")
-    if table.shape[1] * PAGE_RANK != rank_max:
+    if meta.rank_width != rank_max:
         raise ValueError(f"the intermediate has {rank_max} ranks per slice but the page table's "
-                         f"{table.shape[1]} pages of {PAGE_RANK} hold {table.shape[1] * PAGE_RANK}")
+                         f"{table.shape[1]} pages of {PAGE_RANK} hold {meta.rank_width}")

@@ -375,7 +375,3 @@ class LoRAManager:
     def counters(self) -> dict[str, AdapterCounters]:
         """Per registered adapter, its load/eviction counts (copies)."""
         return {name: AdapterCounters(**vars(entry.counters)) for name, entry in self._registry.items()}
-
-    def close(self) -> None:
-        """Stop the worker thread (pending reads are dropped)."""
-        self._reader.shutdown(wait=False, cancel_futures=True)

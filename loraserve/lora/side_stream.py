@@ -16,7 +16,6 @@ import torch
 from loraserve.kernels.launch import BoundLaunch
 from loraserve.kernels.lora_expand import ExpandConfig, expand_config, expand_grid, lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_reference import rank_max
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config, shrink_grid
 
 # Steps of up to this many tokens compute the LoRA products beside the base GEMMs (on the side stream);
@@ -109,7 +108,7 @@ def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora
     """
     num_tokens, hidden = x.shape
     num_loras = meta.slot_count.shape[0]
-    sr = (len(slice_offsets) - 1) * rank_max(meta)
+    sr = (len(slice_offsets) - 1) * meta.rank_width
     n_out = lora_b.shape[2]
     if not 0 < num_tokens <= scratch.max_tokens:
         raise ValueError(f"{num_tokens} tokens: the LoRA scratch holds 1..{scratch.max_tokens}")

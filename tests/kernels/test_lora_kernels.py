@@ -25,7 +25,6 @@ from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expa
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_reference import rank_max as inter_rank
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.side_stream import LoRAScratch, lora_delta
@@ -186,7 +185,7 @@ CASES = [
 def test_kernels_match_reference(index):
     hidden, sizes, rank_max, num_loras, t, kind, base, s_cfg, e_cfg = CASES[index]
     case = make_case(100 + index, hidden, sizes, rank_max, num_loras, t, kind, base)
-    rank_max = inter_rank(case["meta"])  # the intermediate's rank width: whole pages
+    rank_max = case["meta"].rank_width  # the intermediate's rank width: whole pages
     if s_cfg == PREFILL:
         s_cfg = shrink_config(4096, hidden, len(sizes) * rank_max)
     if e_cfg == PREFILL:
@@ -286,7 +285,7 @@ def shrink_partials(x, a, slot_rank, meta, num_slices, cfg: ShrinkConfig) -> tor
     kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial."""
     k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
     one_split = ShrinkConfig(cfg.block_m, cfg.block_n, cfg.block_k, 1, cfg.num_warps, cfg.num_stages)
-    parts = torch.full((cfg.split_k, x.shape[0], num_slices * inter_rank(meta)), float("nan"), device=x.device)
+    parts = torch.full((cfg.split_k, x.shape[0], num_slices * meta.rank_width), float("nan"), device=x.device)
     for p in range(cfg.split_k):
         k = slice(p * k_per_split, min((p + 1) * k_per_split, x.shape[1]))
         lora_shrink(x[:, k], a[:, :, k], slot_rank, meta, num_slices, parts[p], one_split)

@@ -17,7 +17,6 @@ import torch
 from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_reference import rank_max as inter_rank
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
@@ -56,7 +55,7 @@ def test_kernels_match_reference_gpu(index, dtype):
     case = make_case(200 + index, hidden, sizes, rank_max, num_loras, t, kind, base,
                      dtype=dtype, device="cuda")
     s_tol, e_tol = TOL[dtype]
-    rank_max = inter_rank(case["meta"])
+    rank_max = case["meta"].rank_width
 
     out = torch.full((t, len(sizes) * rank_max), float("nan"), device="cuda")
     lora_shrink(case["x"], case["a"], case["slot_rank"], case["meta"], case["num_slices"], out)
@@ -96,7 +95,7 @@ def test_cuda_graph_replay_follows_adapters_through_the_pool(num_tokens):
     meta = builder.meta
     x = torch.empty(num_tokens, hidden, dtype=dtype, device="cuda")
     y = torch.empty(num_tokens, n_out, dtype=dtype, device="cuda")
-    width = inter_rank(meta)
+    width = meta.rank_width
     inter = torch.empty(num_tokens, len(sizes) * width, device="cuda")
 
     def refill(step):
@@ -166,7 +165,7 @@ def test_split_k_shrink_is_bit_identical_run_to_run(num_tokens, hidden, sizes):
     """Whichever program of a tile arrives last, the sum is the partials added in split order."""
     case = make_case(17, hidden, sizes, 16, 8, num_tokens, "uniform", 0.1, dtype=torch.bfloat16,
                      device="cuda")
-    sr = len(sizes) * inter_rank(case["meta"])
+    sr = len(sizes) * case["meta"].rank_width
     cfg = shrink_config(num_tokens, hidden, sr)
     assert cfg.split_k > 1
     args = (case["x"], case["a"], case["slot_rank"], case["meta"], len(sizes))
