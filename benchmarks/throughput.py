@@ -6,10 +6,14 @@ N requests with random prompt ids of random lengths and random output lengths
 output token gets a timestamp when its step returns. Reports output tokens/s,
 requests/s, and p50/p90/p99 of time to first token (TTFT, from arrival),
 inter-token latency (ITL, gaps between a request's tokens) and end-to-end
-latency. A few short requests run first as a warm-up (kernel compilation).
+latency. A few short requests run first as a warm-up (kernel compilation);
+on a LoRA engine whose pool holds every adapter, one for each adapter too, so
+the trace runs over resident adapters (else their loads are part of it). The
+trace is replayed --replays times on each engine (default 2) and the last
+replay is reported; every replay's time is printed.
 With --adapters N the same trace runs on the base engine and then on a LoRA
 engine (default pool and limits, or --max-loras / --lora-gpu-memory) whose requests each name one of N random
-adapters of rank --lora-rank on all 7 projections, drawn uniformly or with
+adapters of rank --lora-rank (or ranks in turn) on all 7 projections, drawn uniformly or with
 Zipf popularity (adapter i with probability proportional to 1/(i+1)); every
 name is its own adapter to the engine (its own cache entry and slot writes),
 though the weights repeat every 8 names. Both runs are printed with the ratio
@@ -64,37 +68,53 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--adapters", type=int, default=0, help="run a LoRA engine too, requests over N adapters")
     p.add_argument("--adapter-dist", choices=("uniform", "zipf"), default="uniform")
-    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-rank", type=bc.int_list, default=[16],
+                   help="rank of the adapters, or ranks cycled over them (e.g. 8,16,32,64)")
     p.add_argument("--max-loras", type=int, default=None,
                    help="distinct adapters in one step of the LoRA engine (default: the engine's)")
     p.add_argument("--lora-gpu-memory", type=float, default=None,
                    help="GiB of the LoRA engine's adapter pool (default: the engine's)")
     p.add_argument("--prefill-only", action="store_true", help="one output token per request (prompt tok/s)")
+    p.add_argument("--replays", type=int, default=2,
+                   help="replay the trace this many times on each engine and report the last (default 2)")
     args = p.parse_args(argv)
     if args.prefill_only:
         args.output_len = (1, 1)
     args.num_requests = args.num_requests or (8 if args.quick else 256)
     args.prompt_len = args.prompt_len or ((16, 64) if args.quick else (128, 1024))
     args.output_len = args.output_len or ((8, 32) if args.quick else (128, 512))
+    if args.replays < 1:
+        p.error("--replays must be at least 1")
     if args.request_rate is not None and args.request_rate <= 0:
         p.error("--request-rate must be positive")
     return args
 
 
-def warm_up(engine, vocab: int, prompt_len: int, rng) -> None:
-    """A few short requests, so kernel compilation and first-use costs fall outside the timing."""
+def warm_up(engine, vocab: int, prompt_len: int, rng, adapters: list[str]) -> None:
+    """A few short requests, and one for each of `adapters`, so kernel compilation and first-use costs
+    (adapter loads included) fall outside the timing."""
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
-    for i in range(4):
-        engine.add_request(f"warmup-{i}", rng.integers(0, vocab, prompt_len).tolist(), params)
+    for i, name in enumerate([None] * 4 + adapters):
+        engine.add_request(f"warmup-{i}", rng.integers(0, vocab, prompt_len).tolist(), params,
+                           LoRARequest(name) if name is not None else None)
     while engine.has_unfinished_requests():
         engine.step()
 
 
+def resident_adapters(engine, args) -> list[str]:
+    """The adapters loaded to the GPU before timing: every one when the pool holds them all (a trace over
+    resident adapters), else none (their loads belong to the trace)."""
+    pool = engine.lora_manager.runtime.pool
+    if sum(pool.pages_for(adapter_rank(args, i)) for i in range(args.adapters)) <= pool.num_pages:
+        return [f"lora-{i}" for i in range(args.adapters)]
+    return []
+
+
 def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: np.ndarray,
-             adapters: list[str | None]) -> tuple[float, dict, int]:
-    """Submit requests at their arrival times and step until all finish; returns (seconds, token times,
-    engine steps)."""
-    times: dict[str, list[float]] = {f"req-{i}": [] for i in range(len(prompts))}
+             adapters: list[str | None], prefix: str = "req") -> tuple[float, dict, int]:
+    """Submit requests (ids prefix-0, prefix-1, ...) at their arrival times and step until all finish;
+    returns (seconds, token times, engine steps)."""
+    times: dict[str, list[float]] = {f"{prefix}-{i}": [] for i in range(len(prompts))}
     nxt, steps = 0, 0
     start = time.perf_counter()
     while nxt < len(prompts) or engine.has_unfinished_requests():
@@ -102,7 +122,7 @@ def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: n
         while nxt < len(prompts) and arrivals[nxt] <= now:
             params = SamplingParams(max_tokens=int(out_lens[nxt]), ignore_eos=True, temperature=0.0)
             lora = LoRARequest(adapters[nxt]) if adapters[nxt] is not None else None
-            engine.add_request(f"req-{nxt}", prompts[nxt], params, lora)
+            engine.add_request(f"{prefix}-{nxt}", prompts[nxt], params, lora)
             nxt += 1
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, arrivals[nxt] - now))
@@ -123,10 +143,16 @@ def request_adapters(args, rng, n: int) -> list[str]:
     return [f"lora-{i}" for i in picks]
 
 
+def adapter_rank(args, i: int) -> int:
+    """The rank of adapter i: --lora-rank's ranks in turn over the distinct weights."""
+    return args.lora_rank[i % DISTINCT_WEIGHTS % len(args.lora_rank)]
+
+
 def register_adapters(engine, args) -> None:
     """args.adapters names, each registered as its own adapter; weights repeat every DISTINCT_WEIGHTS names."""
     spec = engine.lora_manager.runtime.spec
-    made = [random_adapter(spec, f"w{i}", args.lora_rank, seed=i) for i in range(min(args.adapters, DISTINCT_WEIGHTS))]
+    made = [random_adapter(spec, f"w{i}", adapter_rank(args, i), seed=i)
+            for i in range(min(args.adapters, DISTINCT_WEIGHTS))]
     for i in range(args.adapters):
         engine.lora_manager.register_adapter(f"lora-{i}", made[i % len(made)])
 
@@ -134,7 +160,7 @@ def register_adapters(engine, args) -> None:
 def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, rng) -> dict:
     """Build one engine, warm it up, replay the trace; the engine is freed on return."""
     needed = args.prompt_len[1] + args.output_len[1] + 1
-    lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.lora_rank,
+    lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=max(args.lora_rank),
                         lora_gpu_memory=args.lora_gpu_memory) if lora else {}
     t0 = time.perf_counter()
     engine = LLMEngine.from_args(EngineArgs(
@@ -142,11 +168,17 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
         enforce_eager=args.enforce_eager, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
         async_scheduling=args.async_scheduling, **lora_options))
     info = bc.engine_info(engine, time.perf_counter() - t0)
+    warmed: list[str] = []
     if lora:
         register_adapters(engine, args)
-    warm_up(engine, engine.hf_config.vocab_size, args.prompt_len[0], rng)
-    preempted_before = engine.scheduler.num_preemptions
-    elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals, adapters if lora else [None] * len(prompts))
+        warmed = resident_adapters(engine, args)
+    warm_up(engine, engine.hf_config.vocab_size, args.prompt_len[0], rng, warmed)
+    replays = []
+    for replay in range(args.replays):  # the last one counts; the earlier ones warm the engine up
+        preempted_before = engine.scheduler.num_preemptions
+        elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals,
+                                         adapters if lora else [None] * len(prompts), prefix=f"r{replay}")
+        replays.append(elapsed)
     short = [rid for i, (rid, t) in enumerate(times.items()) if len(t) != out_lens[i]]
     if short:
         raise RuntimeError(f"{len(short)} requests got a different number of tokens than asked, e.g. {short[0]}")
@@ -158,7 +190,8 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     result = {"engine": info, "elapsed_s": elapsed, "output_tokens": total_out, "prompt_tokens": total_in,
               "output_tok_s": total_out / elapsed, "total_tok_s": (total_out + total_in) / elapsed,
               "requests_per_s": n / elapsed, "engine_steps": steps,
-              "preemptions": engine.scheduler.num_preemptions - preempted_before,
+              "preemptions": engine.scheduler.num_preemptions - preempted_before, "adapters_resident": len(warmed),
+              "replay_seconds": replays,
               "ttft_s": bc.percentiles(ttft), "itl_s": bc.percentiles(itl), "e2e_s": bc.percentiles(e2e)}
     del engine
     bc.release_memory()
@@ -171,7 +204,10 @@ def print_result(name: str, result: dict, device) -> None:
     print(f"{name} on {device} ({mode}): {result['elapsed_s']:.1f} s, {result['output_tok_s']:.0f} output tok/s, "
           f"{result['prompt_tokens'] / result['elapsed_s']:.0f} prompt tok/s, "
           f"{result['total_tok_s']:.0f} total tok/s, {result['requests_per_s']:.2f} req/s, "
-          f"{result['engine_steps']} engine steps, {result['preemptions']} preemptions")
+          f"{result['engine_steps']} engine steps, {result['preemptions']} preemptions"
+          + (f", {result['adapters_resident']} adapters loaded before timing" if result["adapters_resident"] else "")
+          + (f"; replays took {', '.join(f'{t:.2f}' for t in result['replay_seconds'])} s"
+             if len(result["replay_seconds"]) > 1 else ""))
     bc.print_table(["ms", "p50", "p90", "p99"],
                    [[label] + [1e3 * v if v is not None else None for v in result[key].values()]
                     for label, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))])
@@ -198,7 +234,7 @@ def main(argv=None) -> int:
     print(f"{n} requests, prompts {args.prompt_len[0]}-{args.prompt_len[1]}, outputs "
           f"{args.output_len[0]}-{args.output_len[1]} tokens, "
           + ("all at t=0" if args.request_rate is None else f"Poisson {args.request_rate}/s")
-          + (f"; LoRA: {args.adapters} adapters ({args.adapter_dist}), rank {args.lora_rank}, "
+          + (f"; LoRA: {args.adapters} adapters ({args.adapter_dist}), rank {','.join(map(str, args.lora_rank))}, "
              f"max_loras {args.max_loras or 'default'}, pool {args.lora_gpu_memory or 'default'} GiB"
              if args.adapters else ""))
     results = {"base": run_engine(args, device, False, prompts, out_lens, arrivals, adapters, rng)}

@@ -16,12 +16,17 @@ op rounds where torch's does. On Hopper they are programmatic dependent
 launches that wait for the kernel before them first thing: only the launch
 overlaps that kernel's end.
 """
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
 from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_launch
+from loraserve.kernels.lora_expand import LoRAFactors
+from loraserve.kernels.lora_meta import PAGE_RANK
+from loraserve.kernels.lora_shrink import dot_precision, slot_of_tile, slot_work, token_programs
 
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
@@ -136,8 +141,10 @@ def _silu_and_mul_kernel(
 _silu_and_mul_launch = CachedLauncher(_silu_and_mul_kernel)
 
 
-def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, 2I] (+ delta [T, 2I], float32 or the input dtype) -> [T, I]: ``silu(gate) * up`` in one launch; see ``silu_and_mul_ref``.
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
+    """[T, 2I] (+ delta [T, 2I], float32 or the input dtype, or LoRA factors) -> [T, I]: ``silu(gate) * up``
+    in one launch; see ``silu_and_mul_ref``. LoRA factors are expanded in the same launch, rounded to the
+    input dtype before they are added (what their dense delta gives).
 
     silu is ``g / (1 + exp(-g))`` in fp32 (IEEE division, CUDA's ``expf`` via
     libdevice, as torch computes it) rounded to the input dtype, then the
@@ -146,10 +153,14 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
     """
     num_tokens, two_inter = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
-    if delta is not None:
-        assert delta.shape == gate_up.shape and delta.stride(-1) == 1 and delta.dtype in (torch.float32, gate_up.dtype)
     inter = two_inter // 2
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if isinstance(delta, LoRAFactors):
+        if num_tokens:
+            _silu_and_mul_factors(gate_up, delta, out)
+        return out
+    if delta is not None:
+        assert delta.shape == gate_up.shape and delta.stride(-1) == 1 and delta.dtype in (torch.float32, gate_up.dtype)
     if num_tokens == 0:
         return out
     grid = (num_tokens, cdiv(inter, _SILU_BLOCK))
@@ -158,6 +169,106 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> to
                                HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
                                enable_fp_fusion=False, **pdl_launch(gate_up))
     return out
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _silu_and_mul_lora_kernel(
+    in_ptr, out_ptr, stride_in, stride_out, num_tokens, inter,
+    f_ptr, stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+    rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, stride_pa, num_tiles,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, COL_TILES: tl.constexpr,
+    PRECISION: tl.constexpr, PAGE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (column-tile group, token-tile programs): as _silu_and_mul_kernel on tiles of one adapter's
+    tokens (the step's tile map, as lora_expand walks it, base tokens included), gate and up first given
+    their LoRA products, expanded here from the factors and rounded before they are added."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    tile = tl.program_id(1)
+    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
+    while slot >= 0:
+        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(1), map_ptr, num_tiles)
+        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+        tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+        tok = tok.to(tl.int64)
+        page_row = page_ptr + adapter.to(tl.int64) * stride_pa
+        for j in range(COL_TILES):
+            cols = (tl.program_id(0) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+            mask = tok_ok[:, None] & (cols < inter)[None, :]
+            src = in_ptr + tok[:, None] * stride_in + cols[None, :]
+            gate = tl.load(src, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
+            up = tl.load(src + inter, mask=mask, other=0.0)
+            d_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            d_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                offs_r = r0 + tl.arange(0, BLOCK_R)
+                r_ok = offs_r < rank
+                page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
+                b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+                b_mask = r_ok[:, None] & (cols < inter)[None, :]
+                b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)  # [BLOCK_R, BLOCK_N]
+                b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
+                z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
+                z_mask = tok_ok[:, None] & r_ok[None, :]
+                z_gate = tl.load(z_rows, mask=z_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
+                z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
+                d_gate += tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)
+                d_up += tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
+            dtype = gate.dtype
+            gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
+            up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
+            g = gate.to(tl.float32)
+            if LIBDEVICE_EXP:
+                e = libdevice.exp(-g)
+            else:
+                e = tl.exp(-g)
+            act = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
+            tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], (act * up.to(tl.float32)).to(dtype),
+                     mask=mask)
+        tile += tl.num_programs(1)
+        slot, m_tile = next_slot, next_m_tile
+
+
+_silu_and_mul_lora_launch = CachedLauncher(_silu_and_mul_lora_kernel)
+
+
+@dataclass(frozen=True)
+class SiluLoRAConfig:
+    """The shape of silu_and_mul with LoRA factors. The default was the fastest of 72 shapes measured on an
+    H100 at T = 8192, I = 14336, 8 adapters of rank 16: 1.5x the plain kernel's time (353 against 242 us),
+    where a separate expand costs 1.6x on its own."""
+
+    block_m: int = 16  # tokens per tile (one of lora_meta.TILE_BLOCKS)
+    block_n: int = 64  # output columns per tile
+    col_tiles: int = 4  # column tiles each program walks for one token tile
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torch.Tensor,
+                          config: SiluLoRAConfig | None = None) -> None:
+    """out = silu(gate) * up with gate/up's LoRA product expanded from its factors in the same launch."""
+    num_tokens, two_inter = gate_up.shape
+    inter = two_inter // 2
+    f, cfg = factors, config or SiluLoRAConfig()
+    if tuple(f.slice_offsets) != (0, inter, two_inter) or f.inter.shape[0] != num_tokens:
+        raise ValueError(f"LoRA factors of slices {tuple(f.slice_offsets)} and {f.inter.shape[0]} tokens do not "
+                         f"match a gate/up output of {num_tokens} x {two_inter}")
+    meta = f.meta
+    tile_map = meta.tile_map(cfg.block_m)
+    grid = (cdiv(cdiv(inter, cfg.block_n), cfg.col_tiles), token_programs(num_tokens, cfg.block_m, meta.num_loras) + 1)
+    _silu_and_mul_lora_launch(grid,
+        gate_up, out, gate_up.stride(0), out.stride(0), num_tokens, inter,
+        f.inter, f.inter.stride(0), f.inter.stride(1), f.rank_width,
+        f.lora_b, f.lora_b.stride(0), f.lora_b.stride(1), f.lora_b.stride(2),
+        f.lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter, tile_map,
+        meta.page_table, meta.page_table.stride(0), tile_map.shape[0],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=16, COL_TILES=cfg.col_tiles,
+        PRECISION=dot_precision(f.lora_b.dtype), PAGE=PAGE_RANK, LIBDEVICE_EXP=gate_up.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        **pdl_launch(gate_up))
 
 
 @triton.jit

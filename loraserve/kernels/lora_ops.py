@@ -11,6 +11,8 @@ prefill shapes (larger tiles, little split; from T = 1024 each expand program
 walks 4 column tiles). The shrink adds up its own split-K partials (the last
 program of each output tile, counted on meta.tile_counters), so the expand
 reads one [T, S*R] float32 intermediate and a layer costs two launches.
+`lora_factors` runs the shrink alone and leaves the expand to the op that
+consumes the layer's output (kernels/fused.py), which expands it as it reads.
 Nothing here reads metadata on the host, syncs or allocates beyond that
 intermediate and the shrink's partials scratch (static shapes), so `lora_apply`
 can be captured in a CUDA graph; calls sharing one meta must be stream-ordered.
@@ -19,7 +21,7 @@ import os
 
 import torch
 
-from loraserve.kernels.lora_expand import lora_expand
+from loraserve.kernels.lora_expand import LoRAFactors, lora_expand
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink
@@ -45,6 +47,16 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     inter = torch.empty(x.shape[0], num_slices * meta.rank_width, dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
     lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=True)
+
+
+def lora_factors(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor,
+                 meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> LoRAFactors:
+    """The LoRA product of x: [T, in] as factors (the shrink run, the expand left to the op that consumes
+    the layer's output): as lora_apply, Triton kernels only."""
+    num_slices = len(slice_offsets) - 1
+    inter = torch.empty(x.shape[0], num_slices * meta.rank_width, dtype=torch.float32, device=x.device)
+    lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
+    return LoRAFactors(inter, lora_b, lora_rank, meta, tuple(slice_offsets))
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

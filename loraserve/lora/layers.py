@@ -14,8 +14,10 @@ layer alone): with a side stream and at most its scratch's max_tokens tokens
 into a delta that the next op adds (models.linear.LinearOutput) while the base
 GEMM runs on the forward's stream; the two join before the next op. The q/k/v
 layer issues its GEMM first, the others their LoRA kernels first
-(GEMM_FIRST_LAYERS). Larger (prefill) steps, and the CPU, add the product into
-the base output in place, in order. Both give the same numbers.
+(GEMM_FIRST_LAYERS). In larger (prefill) steps the layers of FACTORED_LAYERS
+pass the product on as factors, expanded by the next op as it reads the base
+output; the others, and every layer on the CPU, add the product into the base
+output in place, in order. All give the same numbers.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch import nn
 
 from loraserve.forward_context import ForwardContext
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref, lora_factors
 from loraserve.lora.side_stream import BoundLoRADelta, LoRAScratch, LoRASideStream, lora_delta
 from loraserve.models.linear import LinearBase, LinearOutput
 
@@ -34,14 +36,20 @@ from loraserve.models.linear import LinearBase, LinearOutput
 # and its LoRA kernels still end beside it; the o, gate/up and down GEMMs, issued first, hold their LoRA
 # kernels back past their own end (issued second, they start 1-4 us late).
 GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
+# Packed layers whose output's consumer expands LoRA factors (models.linear.LinearOutput): in steps larger than
+# the side stream takes, they run the shrink only and pass its output on; the expand happens as the consumer
+# reads the base output (gate/up: silu_and_mul), instead of a read-modify-write of the whole output.
+FACTORED_LAYERS = frozenset({"gate_up_proj"})
 
 
 class LoRALinear(nn.Module):
-    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], gemm_first: bool = False):
+    def __init__(self, base: LinearBase, slice_names: tuple[str, ...], gemm_first: bool = False,
+                 factored: bool = False):
         super().__init__()
         self.base = base
         self.slice_names = slice_names
         self.gemm_first = gemm_first  # beside the GEMM: issue the GEMM before the LoRA kernels (GEMM_FIRST_LAYERS)
+        self.factored = factored  # larger CUDA steps: return the product as factors (FACTORED_LAYERS)
         self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
         if len(self.slice_offsets) != len(slice_names) + 1:
             raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
@@ -80,6 +88,9 @@ class LoRALinear(nn.Module):
         side = lora.side
         if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
             y = self.base(x).y
+            if self.factored and x.is_cuda:
+                return LinearOutput(y, lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, lora.meta,
+                                                    self.slice_offsets))
             apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
             apply(x, y, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets)
             return LinearOutput(y, None)

@@ -26,7 +26,7 @@ from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.lora.adapter import LoRAAdapter
-from loraserve.lora.layers import GEMM_FIRST_LAYERS, LoRALinear
+from loraserve.lora.layers import FACTORED_LAYERS, GEMM_FIRST_LAYERS, LoRALinear
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.pool import AdapterPool, PackedAdapter, PageLayout
 from loraserve.lora.side_stream import SIDE_STREAM_MAX_TOKENS, LoRAScratch, LoRASideStream
@@ -78,7 +78,8 @@ class LoRARuntime:
         self.layers: list[tuple[int, LoRALinear]] = []  # (decoder layer index, LoRA layer), in model order
         attrs = []
         for target in model.lora_targets():
-            layer = LoRALinear(target.linear, target.slices, gemm_first=target.attr in GEMM_FIRST_LAYERS)
+            layer = LoRALinear(target.linear, target.slices, gemm_first=target.attr in GEMM_FIRST_LAYERS,
+                               factored=target.attr in FACTORED_LAYERS)
             setattr(target.parent, target.attr, layer)
             self.layers.append((target.layer_index, layer))
             attrs.append(target.attr)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.kernels.lora_expand import LoRAFactors
+
 
 class LinearOutput(NamedTuple):
     """A linear layer's output `y`, and `delta`: a LoRA product of the same rows not yet added to y.
@@ -29,11 +31,14 @@ class LinearOutput(NamedTuple):
     input first (RMSNorm with its residual add, SiLU*mul, rotary + KV-cache
     write: models/ops.py), rounded to y's dtype, so the result is
     round(y + round(delta)): what adding it in place gives, and what PEFT's
-    separately computed LoRA output gives. None: y is complete.
+    separately computed LoRA output gives. In larger (prefill) steps a layer
+    whose consumer can expand it passes the product as its factors instead
+    (LoRAFactors: the shrink's output and the layer's B pages; same rounding).
+    None: y is complete.
     """
 
     y: torch.Tensor  # [T, N]
-    delta: torch.Tensor | None  # [T, N] in y's dtype (or float32), or None
+    delta: torch.Tensor | LoRAFactors | None  # [T, N] in y's dtype (or float32), its factors, or None
 
 
 class LinearBase(nn.Module):

@@ -5,6 +5,7 @@ import torch
 
 from loraserve.kernels import fused
 from loraserve.kernels.fused_reference import rms_norm_ref, rotary_and_cache_ref, silu_and_mul_ref
+from loraserve.kernels.lora_expand import LoRAFactors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -17,8 +18,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return rms_norm_ref(x, weight, eps, residual, x_delta)
 
 
-def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
-    """[T, 2I] (+ LoRA delta [T, 2I]) -> [T, I]: silu(gate) * up."""
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
+    """[T, 2I] (+ LoRA delta [T, 2I], or on CUDA its factors) -> [T, I]: silu(gate) * up."""
     if gate_up.is_cuda:
         return fused.silu_and_mul(gate_up, delta)
     return silu_and_mul_ref(gate_up, delta)

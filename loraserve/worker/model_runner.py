@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.model.seed)
         self.lora = lora
         self.graph_runner: CUDAGraphRunner | None = None
+        if self.device.type == "cuda":
+            self.warm_up_eager()
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(model, config.scheduler.max_num_seqs, self.max_blocks_per_seq,
                                                 self.block_size, self.dummy_block, lora)
@@ -105,6 +108,25 @@ class ModelRunner:
                              torch.zeros(shape, dtype=self.dtype, device=self.device))
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self._bytes_per_block() / 2**30)
+
+    # -- start-up ---------------------------------------------------------------
+    @torch.inference_mode()
+    def warm_up_eager(self) -> None:
+        """One eager pass at each power of two from 32 tokens up to the step budget (and at the budget): the
+        kernel shapes of the eager path change only at such sizes, so Triton compiles every shape a step can
+        take here, at start-up, not while requests wait. With LoRA the tokens name adapter id 0 (no adapter
+        is loaded yet: rank 0 in every layer, so the kernels run and add nothing)."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        sizes = sorted({min(1 << k, budget) for k in range(5, budget.bit_length() + 1)} | {budget})
+        start = time.perf_counter()
+        for num_tokens in sizes:
+            inputs = StepInputs.dummy_prefill(num_tokens, self.config.model.max_model_len, self.dummy_block,
+                                              self.block_size, -1 if self.lora is None else 0)
+            self.model.compute_logits(self.forward_eager(inputs))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("eager warm-up at %d step sizes (%d..%d tokens): %.1f s", len(sizes), sizes[0], sizes[-1],
+                    time.perf_counter() - start)
 
     # -- one step -------------------------------------------------------------
     def _to_device(self, array) -> torch.Tensor:

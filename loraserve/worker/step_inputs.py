@@ -95,6 +95,22 @@ class StepInputs:
         return out
 
     @classmethod
+    def dummy_prefill(cls, num_tokens: int, max_len: int, dummy_block: int, block_size: int, adapter: int
+                      ) -> StepInputs:
+        """A prefill of `num_tokens` tokens in sequences of at most `max_len`, every K/V written to and read
+        from the dummy block, every token with adapter id `adapter` (-1: base): a step that runs the eager
+        path's kernels at this size without touching any sequence."""
+        lengths = np.full(-(-num_tokens // max_len), max_len, dtype=np.int64)
+        lengths[-1] = num_tokens - max_len * (len(lengths) - 1)
+        query_start_loc = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=query_start_loc[1:])
+        positions = np.concatenate([np.arange(n, dtype=np.int64) for n in lengths])
+        tables = np.full((len(lengths), -(-max_len // block_size)), dummy_block, dtype=np.int32)
+        return cls(np.zeros(num_tokens, np.int64), positions, dummy_block * block_size + positions % block_size,
+                   tables, lengths.astype(np.int32), query_start_loc, np.full(num_tokens, adapter, np.int32),
+                   query_start_loc[1:].astype(np.int64) - 1, int(lengths.max()))
+
+    @classmethod
     def empty_decode(cls) -> StepInputs:
         """A decode step of no sequence: padded, a batch of padding rows only."""
         ints = np.zeros(0, np.int64)

@@ -121,3 +121,23 @@ def test_stop_strings_and_stop_token_ids(tiny_model_factory, tiny_tokenizer):
         by_text = llm.generate(prompt, SamplingParams(max_tokens=20, temperature=0, stop=[stop_text]))[0].outputs[0]
         assert by_text.finish_reason == "stop" and by_text.stop_reason == stop_text
         assert by_text.text == free.text[:free.text.index(stop_text)]
+
+
+def test_eager_warm_up_touches_no_sequence(tiny_model_factory):
+    """The start-up warm-up (run on CUDA; here on the CPU) writes K/V into the dummy block only, and the
+    engine's output afterwards still matches HF."""
+    folder = tiny_model_factory("llama")
+    llm = LLM(folder, device="cpu", dtype="float32", max_model_len=64, max_num_batched_tokens=300)
+    runner = llm.engine.runner
+    for layer in runner.attn_layers:
+        layer.k_cache.fill_(7.0)
+    runner.warm_up_eager()  # 32, 64, 128, 256 and 300 tokens, in sequences of at most 64
+    for layer in runner.attn_layers:
+        real = layer.k_cache[:runner.dummy_block]
+        assert torch.equal(real, torch.full_like(real, 7.0)), "the warm-up wrote into a real KV block"
+        assert not torch.equal(layer.k_cache[runner.dummy_block], torch.full_like(real[0], 7.0))
+        layer.k_cache.zero_()
+    hf = load_hf_model(folder)
+    prompt = _prompts(1, hf.config.vocab_size, seed=4)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert_matches_reference(out, teacher_forced_logprobs(hf, prompt, out.outputs[0].token_ids))

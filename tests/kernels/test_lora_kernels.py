@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from loraserve.kernels.launch import cdiv
-from loraserve.kernels.lora_expand import ExpandConfig, expand_config, lora_expand
+from loraserve.kernels.fused import silu_and_mul
+from loraserve.kernels.fused_reference import silu_and_mul_ref
+from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, expand_config, lora_expand
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
@@ -206,6 +208,36 @@ def test_kernels_match_reference(index):
     lora_expand_ref(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_ref)
     check_expand_result(case, before[:, 4:4 + sum(sizes)], y, y_ref)
     assert torch.equal(wide[:, :4], before[:, :4]) and torch.equal(wide[:, -5:], before[:, -5:])
+
+
+def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens, kind, base, dtype=torch.float32,
+                               device=DEVICE, rtol=1e-5, atol=1e-5):
+    """silu_and_mul with gate/up's LoRA product as factors equals the product expanded into gate/up
+    (the reference expand, rounded to gate/up's dtype) followed by the reference silu_and_mul."""
+    case = make_case(seed, 16, (inter_size, inter_size), rank_max, num_loras, num_tokens, kind, base,
+                     dtype=dtype, device=device)
+    inter = poisoned_inter(case, case["meta"].rank_width)
+    gate_up = torch.randn(num_tokens, 2 * inter_size + 6, generator=case["gen"]).to(device, dtype)[:, 3:-3]
+    merged = gate_up.clone()
+    lora_expand_ref(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
+    want = silu_and_mul_ref(merged).float()
+    factors = LoRAFactors(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"])
+    got = silu_and_mul(gate_up, factors).float()
+    # a product summed in another order may round to a neighbouring value of gate/up's dtype
+    bad = (got - want).abs() > atol + rtol * (want.abs() + (merged.float() - gate_up.float()).abs().amax(1, True))
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} differ; worst {(got - want).abs().max().item():.3g}"
+    plain = silu_and_mul(gate_up).float()  # rows without a product: bit for bit the plain kernel
+    untouched = torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]], device=device)
+    assert torch.equal(got[untouched], plain[untouched])
+
+
+@pytest.mark.parametrize("inter_size,rank_max,num_loras,num_tokens,kind,base", [
+    (40, 16, 3, 70, "skewed", 0.2),  # tiles of one adapter and tiles of several
+    (130, 24, 4, 33, "distinct", 0.1),  # every row its own adapter; ranks past one BLOCK_R step
+    (16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
+])
+def test_silu_and_mul_expands_lora_factors(inter_size, rank_max, num_loras, num_tokens, kind, base):
+    check_silu_and_mul_factors(11, inter_size, rank_max, num_loras, num_tokens, kind, base)
 
 
 def naive_lora(x, a, b, ranks, slots, offsets):

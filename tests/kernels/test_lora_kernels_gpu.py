@@ -20,7 +20,7 @@ from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
-                               defined_mask, make_case, make_weights, meta_of, offsets_of, poisoned_inter,
+                               check_silu_and_mul_factors, defined_mask, make_case, make_weights, meta_of, offsets_of, poisoned_inter,
                                shrink_partials)
 
 pytestmark = pytest.mark.gpu
@@ -74,6 +74,18 @@ def test_kernels_match_reference_gpu(index, dtype):
     lora_apply(case["x"], y_kernel, *args)
     lora_apply_ref(case["x"], y_ref, *args)
     check_expand_result(case, y0, y_kernel, y_ref, rtol=e_tol, atol=e_tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("inter_size,rank_max,num_loras,num_tokens,kind,base", [
+    (14336, 16, 8, 4096, "skewed", 0.05),  # a Llama-3-8B prefill step
+    (1000, 64, 64, 700, "distinct", 0.1),  # 64 adapters, ranks up to 64, sizes off the tiles
+    (14336, 16, 4, 300, "uniform", 0.3),
+])
+def test_silu_and_mul_expands_lora_factors_gpu(inter_size, rank_max, num_loras, num_tokens, kind, base, dtype):
+    tol = TOL[dtype][1]
+    check_silu_and_mul_factors(21, inter_size, rank_max, num_loras, num_tokens, kind, base, dtype=dtype,
+                               device="cuda", rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("num_tokens", [8, 300])

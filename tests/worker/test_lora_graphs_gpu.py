@@ -132,6 +132,57 @@ def test_side_stream_delta_equals_in_place_lora(setup):
         assert torch.equal(outs[0], outs[1]), f"{n} tokens"
 
 
+def test_factored_lora_equals_in_place_lora(setup):
+    """In a prefill-sized step the factored layers (gate/up) pass their product to the next op, which expands
+    it as it reads: the same numbers as adding it in place (up to the order of the product's sums)."""
+    _, _, llm = setup
+    runner = llm.engine.runner
+    ids_of = llm.engine.lora_manager.prepare({"a0", "a1", "a3"}, set())
+    factored = [m for m in runner.model.modules() if getattr(m, "factored", False)]
+    assert factored, "no LoRA layer passes factors"
+    dev = torch.device("cuda")
+    n = 700  # more than the side stream takes: the in-place / factored path
+    rng = np.random.default_rng(4)
+    lengths = [100, 150, 250, 200]
+    token_slots = np.concatenate([np.full(k, s) for k, s in zip(lengths, [-1, ids_of["a0"], ids_of["a1"], ids_of["a3"]])])
+    ids = torch.from_numpy(rng.integers(3, llm.engine.hf_config.vocab_size, n)).to(dev)
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    positions = torch.from_numpy(np.concatenate([np.arange(k) for k in lengths])).to(dev)
+    blocks_per_seq = -(-max(lengths) // runner.block_size)
+    tables = torch.arange(len(lengths) * blocks_per_seq, dtype=torch.int32, device=dev).view(len(lengths), -1)
+    bs = runner.block_size
+    slot_mapping = torch.cat([tables[i, torch.arange(k, device=dev) // bs].long() * bs + torch.arange(k, device=dev) % bs
+                              for i, k in enumerate(lengths)])
+    attn = AttentionMetadata(slot_mapping, tables, torch.tensor(lengths, dtype=torch.int32, device=dev),
+                             torch.from_numpy(starts).to(dev), max(lengths), False)
+    outs = []
+    with torch.inference_mode():
+        for on in (True, False):
+            for layer in factored:
+                layer.factored = on
+            lora = LoRABatch(runner.lora.metadata.build(token_slots), None)
+            outs.append(runner.model(ids, positions, ForwardContext(attn, lora)).float())
+        base = runner.model(ids, positions, ForwardContext(attn, None)).float()
+    for layer in factored:
+        layer.factored = True
+    tol = 2e-2 * float(outs[1].abs().max())
+    assert (outs[0] - outs[1]).abs().max() <= tol
+    lora_rows = torch.from_numpy(token_slots >= 0).to(dev)
+    assert (outs[0][lora_rows] - base[lora_rows]).abs().max() > tol, "the factored product was left out"
+    assert torch.equal(outs[0][~lora_rows], outs[1][~lora_rows])
+
+
+def test_mixed_prefill_and_decode_steps_match_peft_bf16(setup):
+    """Steps that mix prompt chunks (more tokens than the side stream takes) with decode rows, adapters
+    and base rows mixed: greedy tokens equal PEFT bf16's."""
+    folder, paths, _ = setup
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=40, enable_lora=True,
+              max_loras=4, max_lora_rank=16, max_num_batched_tokens=600)
+    for name, path in paths.items():
+        llm.add_lora(LoRARequest(name, path))
+    assert_matches_peft_bf16(llm, folder, paths, (60, 110), seed=5)
+
+
 def test_adapter_loaded_or_replaced_after_capture_takes_effect(setup, tmp_path_factory):
     folder, _, llm = setup
     manager = llm.engine.lora_manager
@@ -154,18 +205,19 @@ def test_adapter_loaded_or_replaced_after_capture_takes_effect(setup, tmp_path_f
     assert (graph2[0].float() - graph[0].float()).abs().max() > tol, "the replaced adapter's weights were not used"
 
 
-def test_graphs_with_lora_match_peft_bf16(setup):
+def assert_matches_peft_bf16(llm, folder, paths, prompt_lengths, seed):
+    """35 prompts (base and the four adapters in turn) through llm: greedy tokens equal PEFT bf16's for 16
+    tokens on at least 90% of them."""
     from peft import PeftModel
 
-    folder, paths, llm = setup
     hf = load_hf_model(folder, dtype=torch.bfloat16, device="cuda")
     peft = PeftModel.from_pretrained(hf, paths["a0"], adapter_name="a0")
     for name in ["a1", "a2", "a3"]:
         peft.load_adapter(paths[name], adapter_name=name)
     peft.eval()
-    rng = random.Random(2)
+    rng = random.Random(seed)
     names = [None, "a0", "a1", "a2", "a3"] * 7
-    prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(1, 30))] for _ in names]
+    prompts = [[rng.randrange(3, hf.config.vocab_size) for _ in range(rng.randint(*prompt_lengths))] for _ in names]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
                         lora_request=[LoRARequest(n) if n else None for n in names])
@@ -175,6 +227,11 @@ def test_graphs_with_lora_match_peft_bf16(setup):
         ref = teacher_forced_logprobs(peft, prompt, tokens, adapter_names=[name or "__base__"])
         agree += all(int(ref[i].argmax()) == t for i, t in enumerate(tokens))
     assert agree / len(names) >= 0.9, f"{agree}/{len(names)} rows match PEFT bf16"
+
+
+def test_graphs_with_lora_match_peft_bf16(setup):
+    folder, paths, llm = setup
+    assert_matches_peft_bf16(llm, folder, paths, (1, 30), seed=2)
 
 
 def test_graphs_follow_adapters_moving_through_a_full_pool(setup):
