@@ -151,6 +151,8 @@ class EngineArgs:
     `loraserve serve`), with their defaults; nothing is resolved yet."""
 
     model: str | None = None
+    tokenizer: str | None = None  # an HF tokenizer folder to use instead of the model's own
+    chat_template: str | None = None  # a Jinja chat template (its text) to use instead of the tokenizer's
     device: str | torch.device | None = None  # None: CUDA when present
     dtype: str | torch.dtype | None = None  # None/"auto": bfloat16 on CUDA, float32 on CPU
     max_model_len: int | None = None  # None: the model's limit, at most DEFAULT_MAX_MODEL_LEN

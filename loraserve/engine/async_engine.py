@@ -216,9 +216,30 @@ class AsyncLLMEngine:
     async def stats(self) -> EngineStats:
         return await self._call(self._engine.stats)
 
-    async def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        """Token ids of the chat prompt (with the assistant's generation prompt)."""
-        return await self._call(lambda: self._encode_chat(messages))
+    async def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                                  add_special_tokens: bool = False) -> list[int]:
+        """Token ids of the chat prompt (by default with the assistant's generation prompt, and no special
+        tokens beyond what the template writes)."""
+        return await self._call(lambda: self._encode_chat(messages, add_generation_prompt, add_special_tokens))
+
+    async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of a text, as a prompt would get them."""
+        def encode() -> list[int]:
+            return list(self._require_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+        return await self._call(encode)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids (InvalidRequestError for an id outside the vocabulary)."""
+        def decode() -> str:
+            tokenizer = self._require_tokenizer()
+            vocab = len(tokenizer)
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+            return tokenizer.decode(token_ids)
+
+        return await self._call(decode)
 
     async def _call(self, fn: Callable[[], T]) -> T:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -340,10 +361,17 @@ class AsyncLLMEngine:
     def _abort_all(self) -> None:
         self._fail_all(EngineClosedError("the server shut down before the request finished"))
 
-    def _encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def _require_tokenizer(self):
         tokenizer = self._engine.tokenizer
+        if tokenizer is None:
+            raise InvalidRequestError("this model has no tokenizer: it is served by token ids only")
+        return tokenizer
+
+    def _encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool,
+                     add_special_tokens: bool) -> list[int]:
+        tokenizer = self._require_tokenizer()
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
         except Exception as exc:  # no template, or the template rejects these messages
             raise InvalidRequestError(f"the chat template cannot format these messages: {exc}") from exc
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

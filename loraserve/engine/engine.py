@@ -66,7 +66,7 @@ class LLMEngine:
         args.check()  # settings that don't depend on the model fail before anything is read
         source = open_model(args.model)
         config = args.create_config(source.max_position_embeddings, source.sliding_window)
-        return cls(config, source.load(config.model.device, config.model.dtype))
+        return cls(config, source.load(config.model.device, config.model.dtype, args.tokenizer, args.chat_template))
 
     @property
     def max_model_len(self) -> int:

@@ -3,15 +3,33 @@ defaults of loraserve.config.EngineArgs, and the EngineArgs they give."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from loraserve.config import EngineArgs
 
 _DEFAULTS = EngineArgs()
 
 
+def chat_template_arg(value: str) -> str:
+    """--chat-template: a file holding a Jinja chat template, or the template itself (vLLM's two forms)."""
+    if os.path.isfile(value):
+        try:
+            with open(value) as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"can't read chat template file {value!r}: {exc}") from exc
+    if any(c in value for c in "{}\n"):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is neither a chat template file nor a template")
+
+
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="HF model folder, .gguf file or synthetic:NAME (default: SmolLM2-135M-Instruct, built in)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="HF tokenizer folder to use instead of the model's own")
+    parser.add_argument("--chat-template", type=chat_template_arg, default=None,
+                        help="a Jinja chat template, or a file holding one, instead of the tokenizer's")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 or auto (default: auto)")
     parser.add_argument("--seed", type=int, default=_DEFAULTS.seed, help="engine seed")
@@ -19,6 +37,12 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + completion (default: the model's, at most 8192)")
     parser.add_argument("--max-num-seqs", type=int, default=_DEFAULTS.max_num_seqs,
                         help="most requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=_DEFAULTS.max_num_batched_tokens,
+                        help="token budget of one step, prompt chunks and decodes together "
+                             "(default: 8192 on CUDA, 2048 on the CPU, at least max-num-seqs)")
+    parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS.gpu_memory_utilization,
+                        help="share of the GPU's memory the engine may use (weights, KV cache, adapters, graphs)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS.async_scheduling,
@@ -39,8 +63,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
     """The EngineArgs of parsed engine flags (add_engine_flags)."""
-    return EngineArgs(model=args.model, device=args.device, dtype=args.dtype, seed=args.seed,
-                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+    return EngineArgs(model=args.model, tokenizer=args.tokenizer, chat_template=args.chat_template,
+                      device=args.device, dtype=args.dtype,
+                      seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                      max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+                      gpu_memory_utilization=args.gpu_memory_utilization,
                       enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                       enable_lora=enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       lora_gpu_memory=args.lora_gpu_memory, max_cpu_lora_memory=args.max_cpu_lora_memory,

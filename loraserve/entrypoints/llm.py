@@ -61,14 +61,17 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template."""
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the chat template (the
+        tokenizer's, or `chat_template`)."""
         tokenizer = self.engine.tokenizer
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("this model has no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": _as_ids(tokenizer.apply_chat_template(
-            conv, add_generation_prompt=add_generation_prompt, tokenize=True))} for conv in conversations]
+            conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=True))}
+            for conv in conversations]
         return self.generate(prompts, sampling_params, lora_request, use_tqdm=use_tqdm)
 
     def add_lora(self, lora_request: LoRARequest, pinned: bool = False) -> None:

@@ -120,7 +120,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class ContentPart(BaseModel):
-    """One part of a message's content; only text parts are served (check_messages refuses the others)."""
+    """One part of a message's content; only text parts are served (template_messages refuses the others)."""
 
     model_config = ConfigDict(extra="allow")
     type: str
@@ -139,6 +139,18 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": content or ""}
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them; 400 for none, or for a part that is not text."""
+    if not messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    for i, message in enumerate(messages):
+        for part in message.content if isinstance(message.content, list) else ():
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
+                                    "takes text parts only", param=f"messages.{i}.content")
+    return [m.as_template_message() for m in messages]
+
+
 class ChatCompletionRequest(_SamplingFields):
     """POST /v1/chat/completions."""
 
@@ -149,20 +161,35 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
 
     def check_messages(self) -> list[dict[str, str]]:
-        if not self.messages:
-            raise APIError(400, "messages must not be empty", param="messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        for i, message in enumerate(self.messages):
-            for part in message.content if isinstance(message.content, list) else ():
-                if part.type != "text" or part.text is None:
-                    raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
-                                        "takes text parts only", param=f"messages.{i}.content")
-        return [m.as_template_message() for m in self.messages]
+        return template_messages(self.messages)
 
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt, or chat messages through the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+
+    def check(self) -> None:
+        self.check_unknown_fields()
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "give either prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class LoadLoRAAdapterRequest(_Body):

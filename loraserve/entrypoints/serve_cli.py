@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import json
 import logging
 import os
 import signal
@@ -27,6 +28,17 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     if not sep or not name or not path:
         raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
     return name, path
+
+
+def json_string_list(text: str) -> tuple[str, ...]:
+    """A JSON list of strings, as vLLM's CORS flags take them: '["https://a.example", "https://b.example"]'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}") from exc
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {text!r}")
+    return tuple(value)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +64,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a folder of adapters: a request whose model names a folder in the first DIR is "
                              "served from it without loading it first; runtime-loaded adapter paths must "
                              "resolve inside a DIR (repeatable)")
+    parser.add_argument("--allowed-origins", type=json_string_list, default=("*",),
+                        help='CORS: origins browsers may call from, a JSON list (default ["*"])')
+    parser.add_argument("--allowed-methods", type=json_string_list, default=("*",),
+                        help='CORS: allowed methods, a JSON list (default ["*"])')
+    parser.add_argument("--allowed-headers", type=json_string_list, default=("*",),
+                        help='CORS: allowed request headers, a JSON list (default ["*"])')
+    parser.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -83,7 +102,8 @@ def run_server(args: argparse.Namespace) -> None:
     settings = ServerSettings(
         served_model_names=tuple(dict.fromkeys(names)), api_key=args.api_key,
         enable_runtime_lora_updates=args.enable_runtime_lora_updates, lora_roots=tuple(args.lora_root),
-        lora_modules=modules)
+        lora_modules=modules, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
     app = build_app(async_engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))

@@ -2,7 +2,9 @@
 
 Routes: /v1/completions and /v1/chat/completions (JSON, or SSE with
 `stream=true`), /v1/models, /v1/models/{id}, /v1/load_lora_adapter and
-/v1/unload_lora_adapter (only with runtime updates on), /health, /metrics.
+/v1/unload_lora_adapter (only with runtime updates on), /tokenize and
+/detokenize, /health and /ping, /version, /metrics; CORS headers as the
+settings allow.
 A client that goes away aborts its engine requests, which frees their KV
 blocks and adapter references. docs/server.md describes the API.
 """
@@ -17,13 +19,15 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError, GenerationRequest, OutputStream
 from loraserve.entrypoints.http_errors import APIKeyMiddleware, api_error_from, install_error_handlers, outcome_of
 from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, UNKNOWN_MODEL_LABEL, ServerMetrics, TokenTimer
 from loraserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
-                                                   LoadLoRAAdapterRequest, ResponseBuilder, UnloadLoRAAdapterRequest)
+                                                   DetokenizeRequest, LoadLoRAAdapterRequest, ResponseBuilder,
+                                                   TokenizeRequest, UnloadLoRAAdapterRequest, template_messages)
 from loraserve.entrypoints.serve_cli import package_version
 from loraserve.errors import InvalidRequestError
 from loraserve.lora.request import LoRARequest
@@ -39,6 +43,11 @@ class ServerSettings:
     enable_runtime_lora_updates: bool = False  # POST /v1/load_lora_adapter and /v1/unload_lora_adapter
     lora_roots: tuple[str, ...] = ()  # runtime adapter paths must resolve inside one of these
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, path) registered at start, shown in /v1/models
+    # CORS (browsers calling the API from other origins), as vLLM sets it by default
+    allowed_origins: tuple[str, ...] = ("*",)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_runtime_lora_updates and not self.lora_roots:
@@ -234,6 +243,33 @@ class _OpenAIServer:
         self.adapter_paths.pop(body.lora_name, None)
         return {"object": "lora_adapter", "id": body.lora_name, "status": "unloaded"}
 
+    # ---- tokenizer ------------------------------------------------------------------------
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        body.check()
+        await self._check_model(body.model)
+        if body.messages is not None:
+            ids = await self.engine.apply_chat_template(template_messages(body.messages), body.add_generation_prompt,
+                                                        bool(body.add_special_tokens))
+        else:
+            ids = await self.engine.tokenize(body.prompt, body.add_special_tokens is not False)
+        return {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids, "token_strs": None}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        body.check_unknown_fields()
+        await self._check_model(body.model)
+        return {"prompt": await self.engine.detokenize(body.tokens)}
+
+    async def _check_model(self, model: str | None) -> None:
+        """404 unless `model` is None, the base model's name or a registered adapter's."""
+        if model is None or model in self.model_names:
+            return
+        loras = await self.engine.list_loras()
+        if model not in loras:
+            names = ", ".join(repr(m) for m in [self.model_names[0], *loras])
+            raise APIError(404, f"the model {model!r} does not exist; the models are {names}", param="model",
+                           code="model_not_found")
+
     # ---- health and metrics -----------------------------------------------------------
 
     async def health(self) -> Response:
@@ -259,6 +295,10 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="loraserve", docs_url=None, redoc_url=None)
     if settings.api_key:
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+    # added last, so outermost: a browser's preflight request is answered before the API key is asked for
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                       allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                       allow_credentials=settings.allow_credentials)
     # errors not counted by a route (refused before the request's model was looked at) count as __unknown__
     install_error_handlers(app, lambda status: server.metrics.record_request(UNKNOWN_MODEL_LABEL,
                                                                              outcome_of(status)))
@@ -271,6 +311,8 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     app.get("/v1/models/{model_id:path}")(server.get_model)
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat_completions)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
     if settings.enable_runtime_lora_updates:
         app.post("/v1/load_lora_adapter")(server.load_lora_adapter)
         app.post("/v1/unload_lora_adapter")(server.unload_lora_adapter)

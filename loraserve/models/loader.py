@@ -129,6 +129,19 @@ def _iter_safetensors(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"can't read weight file {file!r}: {exc}") from exc
 
 
+def _count_tensors(files: list[str]) -> int | None:
+    """Tensors in the safetensors files (their headers only), for the progress bar; None if unreadable (the
+    load then names the file)."""
+    try:
+        total = 0
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                total += len(f.keys())
+        return total
+    except (OSError, RuntimeError):
+        return None
+
+
 def _eos_ids(hf_config, tokenizer, path: str | None) -> list[int]:
     ids: list[int] = []
     candidates = [getattr(hf_config, "eos_token_id", None)]
@@ -160,21 +173,40 @@ class ModelSource:
     def sliding_window(self) -> int | None:
         return attention_window(self.hf_config)
 
-    def load(self, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-        """Build the model on `device` in `dtype` and fill it; read the tokenizer."""
+    def load(self, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None = None,
+             chat_template: str | None = None) -> LoadedModel:
+        """Build the model on `device` in `dtype` and fill it; read the tokenizer (the model's own, or the
+        HF tokenizer folder `tokenizer_path`), whose chat template `chat_template` replaces when given."""
+        loaded = self._load(device, dtype, tokenizer_path)
+        if chat_template is not None:
+            if loaded.tokenizer is None:
+                raise ModelLoadError("a chat template was given but the model has no tokenizer (give --tokenizer)")
+            loaded.tokenizer.chat_template = chat_template
+        return loaded
+
+    def _load(self, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None) -> LoadedModel:
         config, model = self.hf_config, self.model
+        if tokenizer_path is not None and not os.path.isdir(tokenizer_path):
+            raise ModelLoadError(f"tokenizer path {tokenizer_path!r} is not a folder (give an HF tokenizer folder)")
         net = build_empty_model(config, device, dtype)
         if model is not None and model.startswith("synthetic:"):
             randomize_weights(net, seed=0)
-            return LoadedModel(net, config, None, model, [])
+            if tokenizer_path is None:
+                return LoadedModel(net, config, None, model, [])
+            tokenizer = _load_tokenizer(tokenizer_path)
+            return LoadedModel(net, config, tokenizer, model, _eos_ids(config, tokenizer, tokenizer_path))
         if self.gguf_file is not None:
-            load_weights(net, self.gguf_file.weights())
+            load_weights(net, self.gguf_file.weights(), total=len(self.gguf_file.reader.tensors))
             path = self.gguf_file.path
-            tokenizer = gguf_loader.load_gguf_tokenizer(path)
+            if tokenizer_path is None:
+                tokenizer = gguf_loader.load_gguf_tokenizer(path)
+            else:
+                tokenizer = _load_tokenizer(tokenizer_path)
             name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
-            return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, None))
-        load_weights(net, _iter_safetensors(_safetensors_files(model)))
-        tokenizer = _load_tokenizer(model)
+            return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, tokenizer_path))
+        files = _safetensors_files(model)
+        load_weights(net, _iter_safetensors(files), total=_count_tensors(files))
+        tokenizer = _load_tokenizer(tokenizer_path or model)
         return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(model)),
                            _eos_ids(config, tokenizer, model))
 

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 from model_fixtures import make_lora_adapters
 from server_harness import metric, read_metrics, serve, wait_until_idle
 
@@ -298,6 +299,48 @@ def test_api_key_guards_every_v1_route(url, base):
     wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
+
+
+def test_tokenize_and_detokenize(url, base, paths):
+    reference = AutoTokenizer.from_pretrained(paths["model"])
+    text = "Hello there, tokenizer!"
+    for model in (base, "a0", None):  # the base model's name, an adapter's, or none
+        body = {"prompt": text} if model is None else {"model": model, "prompt": text}
+        got = httpx.post(f"{url}/tokenize", json=body).json()
+        assert got["tokens"] == reference(text)["input_ids"] and got["count"] == len(got["tokens"])
+        assert got["max_model_len"] == MAX_MODEL_LEN
+    plain = httpx.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    assert plain["tokens"] == reference(text, add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": text}]
+    chat = httpx.post(f"{url}/tokenize", json={"model": base, "messages": messages}).json()
+    templated = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert chat["tokens"] == reference(templated, add_special_tokens=False)["input_ids"]
+    back = httpx.post(f"{url}/detokenize", json={"model": base, "tokens": plain["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": reference.decode(plain["tokens"])}
+    for path, body, status in (("/tokenize", {"model": "nope", "prompt": "x"}, 404),
+                               ("/tokenize", {"prompt": "x", "messages": messages}, 400),
+                               ("/tokenize", {}, 400),
+                               ("/tokenize", {"prompt": "x", "unknown": 1}, 400),
+                               ("/detokenize", {"tokens": [len(reference) + 5]}, 400),
+                               ("/detokenize", {"model": "nope", "tokens": [1]}, 404)):
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code == status, (path, body, response.text)
+        assert "error" in response.json()
+
+
+def test_cors_preflight_is_answered_before_the_api_key(url, engine):
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+    response = httpx.options(f"{url}/v1/chat/completions", headers=preflight)  # no key: a browser sends none
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "*"
+    listed = httpx.get(f"{url}/v1/models", headers={"Origin": "https://app.example",
+                                                    "Authorization": f"Bearer {KEY}"})
+    assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "*"
+    with serve(engine, ServerSettings(allowed_origins=("https://app.example",))) as strict:
+        assert httpx.options(f"{strict}/v1/models", headers=preflight).headers["access-control-allow-origin"] \
+            == "https://app.example"
+        other = httpx.options(f"{strict}/v1/models", headers={**preflight, "Origin": "https://evil.example"})
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
 def test_unknown_model_or_route_is_404(client, url, base):
