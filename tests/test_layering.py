@@ -23,6 +23,8 @@ FLOORS = (  # top to bottom; a module belongs to the floor of its longest matchi
 # function-local imports that are allowed, and why
 DEFERRED = {
     "transformers": "configs and tokenizers only; importing it costs seconds",
+    "huggingface_hub": "a repo id's snapshot in the local cache only; importing it costs a third of a second",
+    "huggingface_hub.errors": "a repo id's snapshot in the local cache only",
     "gguf": "GGUF files only; not installed on every machine",
     "gguf.quants": "GGUF files only; not installed on every machine",
     "uvicorn": "the server only",

@@ -14,8 +14,9 @@ def append_new_text(tokenizer, seq: Sequence) -> str:
     incomplete character is held back until the next token completes it.
     """
     ids = seq.output_token_ids
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=True)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=True)
+    skip = seq.sampling_params.skip_special_tokens
+    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
         return ""
     new = full[len(prefix):]
@@ -26,7 +27,8 @@ def append_new_text(tokenizer, seq: Sequence) -> str:
 
 
 def find_stop_string(seq: Sequence, new_text_len: int) -> str | None:
-    """If a stop string appears in the newly added text, cut seq.text before it and return it."""
+    """If a stop string appears in the newly added text, cut seq.text before it (after it with
+    include_stop_str_in_output) and return it."""
     stops = seq.sampling_params.stop_strings
     if not stops or new_text_len == 0:
         return None
@@ -34,6 +36,6 @@ def find_stop_string(seq: Sequence, new_text_len: int) -> str | None:
         start = max(0, len(seq.text) - new_text_len - len(stop) + 1)
         idx = seq.text.find(stop, start)
         if idx != -1:
-            seq.text = seq.text[:idx]
+            seq.text = seq.text[:idx + (len(stop) if seq.sampling_params.include_stop_str_in_output else 0)]
             return stop
     return None

@@ -53,7 +53,7 @@ class LLMEngine:
             kv_room = KVRoom(*kv_cache_need(loaded.model, config)) if config.model.device.type == "cuda" else None
             runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name, kv_room)
             self.lora_manager = LoRAManager(runtime)
-        self.runner = ModelRunner(loaded.model, config, runtime)
+        self.runner = ModelRunner(loaded.model, config, runtime, frozenset(self.eos_token_ids))
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora, self.lora_manager)
         self._requests: dict[str, Sequence] = {}
@@ -110,6 +110,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         params = sampling_params or SamplingParams()
+        if params.n != 1:
+            raise InvalidRequestError(f"n={params.n}: the engine takes one completion per request (LLM.generate and "
+                                      "the server give a request n completions)")
         if request_id in self._requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         text, ids = self._tokenize(prompt)
@@ -243,10 +246,11 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         new_len = len(append_new_text(self.tokenizer, seq)) if self.tokenizer is not None else 0
-        if not params.ignore_eos and token in self.eos_token_ids:
+        may_stop = len(seq.output_token_ids) > params.min_tokens  # the sampler holds stop tokens back before
+        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
             seq.stop_reason = None
             self._finish(seq, "stop")
-        elif token in params.stop_token_ids:
+        elif may_stop and token in params.stop_token_ids:
             seq.stop_reason = token
             self._finish(seq, "stop")
         elif (stop := find_stop_string(seq, new_len)) is not None:

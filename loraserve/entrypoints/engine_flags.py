@@ -25,7 +25,8 @@ def chat_template_arg(value: str) -> str:
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
-                        help="HF model folder, .gguf file or synthetic:NAME (default: SmolLM2-135M-Instruct, built in)")
+                        help="HF model folder, Hugging Face repo id in the local cache, .gguf file or synthetic:NAME "
+                             "(default: SmolLM2-135M-Instruct, built in)")
     parser.add_argument("--tokenizer", default=None,
                         help="HF tokenizer folder to use instead of the model's own")
     parser.add_argument("--chat-template", type=chat_template_arg, default=None,

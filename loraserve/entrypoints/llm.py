@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 
 from tqdm import tqdm
 
@@ -38,7 +39,9 @@ class LLM:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
 
         A prompt is a string or {"prompt_token_ids": [...]}; sampling_params and
-        lora_request may be one for all prompts or a list with one per prompt.
+        lora_request may be one for all prompts or a list with one per prompt. With
+        sampling_params.n > 1 a prompt's RequestOutput holds n completions (index 0..n-1; with a seed,
+        completion i samples with seed + i, as the server's choices do).
         use_tqdm: show a progress bar of finished prompts and token rates (on stderr).
         """
         if isinstance(prompts, (str, dict)):
@@ -48,16 +51,19 @@ class LLM:
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(), n, "sampling_params")
         loras = _per_prompt(lora_request, n, "lora_request")
         ids = [f"gen-{next(self._ids)}" for _ in range(n)]
+        choices = {rid: [f"{rid}-{i}" for i in range(p.n)] if p.n > 1 else [rid] for rid, p in zip(ids, params)}
         added = []
         try:
             for rid, prompt, p, lora in zip(ids, prompts, params, loras):
-                self.engine.add_request(rid, prompt, p, lora)
-                added.append(rid)
+                for i, choice in enumerate(choices[rid]):
+                    seed = None if p.seed is None else p.seed + i
+                    self.engine.add_request(choice, prompt, p if p.n == 1 else replace(p, n=1, seed=seed), lora)
+                    added.append(choice)
         except Exception:
             for rid in added:
                 self.engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return self._run(ids, choices, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              lora_request: LoRARequest | list[LoRARequest | None] | None = None,
@@ -83,24 +89,42 @@ class LLM:
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], choices: dict[str, list[str]], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request's choices finished; one RequestOutput per request, its completions in
+        choice order."""
         final: dict[str, RequestOutput] = {}
-        pending = set(ids)
+        owner = {choice: rid for rid in ids for choice in choices[rid]}
+        pending = set(owner)
+        left = {rid: len(choices[rid]) for rid in ids}
         start, prompt_tokens, output_tokens = time.perf_counter(), 0, 0
         with tqdm(total=len(ids), desc="Processed prompts", unit="prompt", dynamic_ncols=True,
                   disable=not use_tqdm) as bar:
             while pending:
                 for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        final[out.request_id] = out
-                        pending.discard(out.request_id)
+                    if not (out.finished and out.request_id in pending):
+                        continue
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+                    output_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    rid = owner[out.request_id]
+                    left[rid] -= 1
+                    if left[rid] == 0:
                         prompt_tokens += len(out.prompt_token_ids)
-                        output_tokens += sum(len(c.token_ids) for c in out.outputs)
-                        elapsed = max(time.perf_counter() - start, 1e-9)
-                        bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
-                                            f"output: {output_tokens / elapsed:.1f} toks/s", refresh=False)
                         bar.update(1)
-        return [final[i] for i in ids]
+                    elapsed = max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix_str(f"input: {prompt_tokens / elapsed:.1f} toks/s, "
+                                        f"output: {output_tokens / elapsed:.1f} toks/s", refresh=False)
+        return [_merged(rid, [final[c] for c in choices[rid]]) for rid in ids]
+
+
+def _merged(request_id: str, outs: list[RequestOutput]) -> RequestOutput:
+    """One request's output from its choices' (one each): their completions, indexed in order."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    completions = [replace(out.outputs[0], index=i) for i, out in enumerate(outs)]
+    errors = [out.error for out in outs if out.error]
+    return replace(first, request_id=request_id, outputs=completions, error=errors[0] if errors else None)
 
 
 def _per_prompt(value, n: int, what: str) -> list:

@@ -37,8 +37,7 @@ class APIError(Exception):
 
 
 # OpenAI fields loraserve does not implement, accepted only with the value that changes nothing.
-_NEUTRAL_ONLY = MappingProxyType({"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1,
-                                  "logit_bias": {}, "best_of": 1, "echo": False, "suffix": None})
+_NEUTRAL_ONLY = MappingProxyType({"best_of": 1, "echo": False, "suffix": None})
 
 
 class _Body(BaseModel):
@@ -68,10 +67,18 @@ class _SamplingFields(_Body):
     stop: str | list[str] | None = None
     seed: int | None = None
     user: str | None = None
-    # Extensions (pass them with the openai client's extra_body):
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI has it) -> bias in [-100, 100]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Extensions, vLLM's (pass them with the openai client's extra_body):
     top_k: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
 
     @property
     def include_usage(self) -> bool:
@@ -86,14 +93,24 @@ class _SamplingFields(_Body):
             raise APIError(400, f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        try:
+            logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
+        except ValueError:
+            raise APIError(400, f"logit_bias keys must be token ids, got {list(self.logit_bias)!r}",
+                           param="logit_bias") from None
 
         def make(i: int) -> SamplingParams:
             return SamplingParams(
                 max_tokens=max_tokens,
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
-                top_k=self.top_k or 0, seed=None if self.seed is None else self.seed + i, stop=self.stop,
-                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs)
+                top_k=self.top_k or 0, min_p=self.min_p, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                seed=None if self.seed is None else self.seed + i,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                min_tokens=self.min_tokens, logit_bias=logit_bias, logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
 
         try:
             make(0)

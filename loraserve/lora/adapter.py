@@ -203,9 +203,15 @@ def _module_weights(
     return a.contiguous(), (b * config.scaling_for(module)).contiguous()
 
 
+# What a GGUF file or repo adds to a model's name: `Qwen2.5-7B-Instruct-Q4_K_M.gguf`, `...-GGUF`, `....f16`.
+_GGUF_SUFFIX = re.compile(r"(\.gguf|[-._](gguf|i?q\d\w*|b?f16|fp16|f32))+$")
+
+
 def _model_stem(name_or_path: str) -> str:
-    """`org/Model-7B`, `/models/model-7b/` -> `model-7b`: hub ids and local paths compare by last part."""
-    return name_or_path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+    """`org/Model-7B`, `/models/model-7b/`, `Model-7B-Q4_K_M.gguf` -> `model-7b`: hub ids, local folders and
+    GGUF files compare by their last part without the GGUF quantization suffix."""
+    stem = name_or_path.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1].lower()
+    return _GGUF_SUFFIX.sub("", stem)
 
 
 def _warn_base_mismatch(name: str, config: PeftLoRAConfig, spec: LoRAModelSpec) -> None:

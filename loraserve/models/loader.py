@@ -161,9 +161,11 @@ def _eos_ids(hf_config, tokenizer, path: str | None) -> list[int]:
 class ModelSource:
     """A model found and its config read, weights not loaded yet."""
 
-    model: str | None  # what the user gave: None (the default model), synthetic:NAME, a .gguf file, an HF folder
+    model: str | None  # what the user gave: None (the default model), synthetic:NAME, a .gguf file, an HF
+    # folder or a Hugging Face repo id
     hf_config: Any
     gguf_file: gguf_loader.GGUFModelFile | None = None  # the open GGUF file (its header read once)
+    folder: str | None = None  # an HF model's folder (a repo id's snapshot in the local cache)
 
     @property
     def max_position_embeddings(self) -> int:
@@ -204,11 +206,12 @@ class ModelSource:
                 tokenizer = _load_tokenizer(tokenizer_path)
             name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
             return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, tokenizer_path))
-        files = _safetensors_files(model)
+        folder = self.folder
+        files = _safetensors_files(folder)
         load_weights(net, _iter_safetensors(files), total=_count_tensors(files))
-        tokenizer = _load_tokenizer(tokenizer_path or model)
-        return LoadedModel(net, config, tokenizer, os.path.basename(os.path.normpath(model)),
-                           _eos_ids(config, tokenizer, model))
+        tokenizer = _load_tokenizer(tokenizer_path or folder)
+        name = model if folder != model else os.path.basename(os.path.normpath(folder))  # a repo id names itself
+        return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, folder))
 
 
 def open_model(model: str | None) -> ModelSource:
@@ -226,20 +229,35 @@ def open_model(model: str | None) -> ModelSource:
             raise ModelLoadError(f"model file {path!r} does not exist")
         gguf_file = gguf_loader.GGUFModelFile.open(path)
         return ModelSource(model, gguf_file.config(), gguf_file)
-    if not os.path.isdir(model):
-        raise ModelLoadError(f"model path {model!r} does not exist (give an HF model folder, a .gguf file "
-                             "or synthetic:NAME; no network downloads)")
-    if not os.path.isfile(os.path.join(model, "config.json")):
-        raise ModelLoadError(f"model folder {model!r} has no config.json")
+    folder = model if os.path.isdir(model) else _cached_snapshot(model)
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ModelLoadError(f"model folder {folder!r} has no config.json")
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(model)
+        config = AutoConfig.from_pretrained(folder)
     except (ValueError, OSError, KeyError) as exc:
-        raise ModelLoadError(f"can't read {model}/config.json: {exc}") from exc
+        raise ModelLoadError(f"can't read {folder}/config.json: {exc}") from exc
     model_class_for(config)  # unsupported architecture: fail before touching weights
-    _safetensors_files(model)  # missing weight files: fail before the engine is built
-    return ModelSource(model, config)
+    _safetensors_files(folder)  # missing weight files: fail before the engine is built
+    return ModelSource(model, config, folder=folder)
+
+
+def _cached_snapshot(model: str) -> str:
+    """The folder of Hugging Face repo `model` (`org/name`) in the local cache (HF_HOME / HF_HUB_CACHE);
+    ModelLoadError if it is not there (nothing is downloaded)."""
+    if model.count("/") == 1 and not model.startswith((".", "/", "~")):
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return snapshot_download(model, local_files_only=True)
+        except LocalEntryNotFoundError:
+            raise ModelLoadError(f"model {model!r} is not a local folder and not in the Hugging Face cache "
+                                 f"({constants.HF_HUB_CACHE}); loraserve downloads nothing: fetch it first, e.g. "
+                                 f"`huggingface-cli download {model}`") from None
+    raise ModelLoadError(f"model path {model!r} does not exist (give an HF model folder, a Hugging Face repo id "
+                         "in the local cache, a .gguf file or synthetic:NAME; no network downloads)")
 
 
 def _load_tokenizer(path: str):

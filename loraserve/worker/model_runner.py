@@ -14,7 +14,7 @@ from loraserve.models.attention import PagedAttention
 from loraserve.sequence import Sequence, SchedulerOutput
 from loraserve.worker.cuda_graphs import CUDAGraphRunner
 from loraserve.worker.graph_check import verify_graphs
-from loraserve.worker.sampler import SampledTokens, Sampler
+from loraserve.worker.sampler import SampledTokens, Sampler, TokenHistory
 from loraserve.worker.step_inputs import PendingTokenFill, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,8 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model's device state: KV cache, sampler, CUDA graphs; LoRA state through the LoRA runtime."""
 
-    def __init__(self, model, config: EngineConfig, lora: LoRARuntime | None = None):
+    def __init__(self, model, config: EngineConfig, lora: LoRARuntime | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.model = model
         self.config = config
         self.device, self.dtype = config.model.device, config.model.dtype
@@ -71,7 +72,7 @@ class ModelRunner:
         # the block at index num_blocks is a dummy: padding rows write their K/V there
         self.dummy_block = self.num_blocks
         self._allocate_kv_cache()
-        self.sampler = Sampler(self.device, config.model.seed)
+        self.sampler = Sampler(self.device, config.model.seed, eos_token_ids)  # EOS: held back before min_tokens
         self.lora = lora
         self.graph_runner: CUDAGraphRunner | None = None
         if self.device.type == "cuda":
@@ -167,5 +168,14 @@ class ModelRunner:
         if not sampling:
             return LaunchedStep([], None)
         logits = self.model.compute_logits(hidden)  # [N, V]
-        tokens = self.sampler(logits, [s.seq.request_id for s in sampling], [s.seq.sampling_params for s in sampling])
-        return LaunchedStep([s.seq for s in sampling], tokens)
+        seqs = [s.seq for s in sampling]
+        params = [seq.sampling_params for seq in seqs]
+        history = None
+        if any(p.has_penalties for p in params):
+            row_of = {seq: i for i, seq in enumerate(in_flight.sequences)} if in_flight is not None else {}
+            history = TokenHistory([seq.prompt_token_ids for seq in seqs], [seq.output_token_ids for seq in seqs],
+                                   [row_of.get(seq) if seq.num_pending_tokens else None for seq in seqs],
+                                   samples.tokens if samples is not None else None)
+        tokens = self.sampler(logits, [seq.request_id for seq in seqs], params,
+                              [len(seq.output_token_ids) + seq.num_pending_tokens for seq in seqs], history)
+        return LaunchedStep(seqs, tokens)

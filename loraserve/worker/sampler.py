@@ -51,17 +51,35 @@ class SampledTokens:
         return SamplerOutput(token_list, out)
 
 
+@dataclass
+class TokenHistory:
+    """The tokens each sampling row's request has seen, for the penalties: prompt and generated ids known on
+    the host, and where the one generated token still in flight sits in that step's samples (on the device)."""
+
+    prompt_ids: list[list[int]]  # per row
+    output_ids: list[list[int]]  # per row, without the token in flight
+    pending: list[int | None]  # per row: index into in_flight_tokens of its newest token, or None
+    in_flight_tokens: torch.Tensor | None  # [M] int64 on the device: the samples of the step in flight
+
+
 class Sampler:
-    """Greedy, temperature, top-k, top-p; per-request seeds.
+    """Greedy, temperature, top-k, top-p, min-p; logit bias; min_tokens; per-request seeds.
 
     A request with a seed owns a torch.Generator, so its samples do not depend on
     the other requests of the batch; the others share the engine's generator.
-    Logprobs are those of the model's distribution (before temperature/top-k/top-p).
-    Sampling is launched on the device without waiting for it (see SampledTokens).
+    Before anything else the logits get each request's logit_bias, and a request that has generated fewer
+    than min_tokens tokens cannot sample EOS (the model's, unless ignore_eos) or its stop_token_ids. Then
+    the penalties, as vLLM applies them: presence and frequency (OpenAI's) over the generated tokens,
+    repetition (HF's: positive logits divided, negative ones multiplied) over prompt and generated tokens,
+    the token still in flight read on the device (TokenHistory). Then greedy rows take the argmax; the others apply temperature, top-k, top-p and min-p, in that order, and
+    sample. Logprobs are those of the model's distribution (before all of that). Every per-row setting
+    reaches the device by a non-blocking copy from pinned memory: sampling is launched without waiting for
+    the step (see SampledTokens).
     """
 
-    def __init__(self, device: torch.device, seed: int):
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: set[int] | frozenset[int] = frozenset()):
         self.device = device
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
 
@@ -77,10 +95,25 @@ class Sampler:
             self._request_generators[request_id] = gen
         return gen
 
+    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list on the device without a sync (pinned memory, non-blocking copy)."""
+        t = torch.tensor(values, dtype=dtype)
+        if self.device.type != "cuda":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
+
     @torch.no_grad()
-    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> SampledTokens:
-        # logits: [N, V] fp32
+    def __call__(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+                 num_generated: list[int] | None = None, history: TokenHistory | None = None) -> SampledTokens:
+        # logits: [N, V] fp32; num_generated: per row, the tokens its request has generated so far; history:
+        # needed when a row has a penalty
         n = logits.shape[0]
+        raw = logits
+        logits = self._biased_and_masked(logits, params, num_generated or [0] * n)
+        if any(p.has_penalties for p in params):
+            if history is None:
+                raise ValueError("penalties need the rows' token history")
+            logits = self._penalized(logits, params, history)
         greedy_rows = [i for i in range(n) if params[i].greedy]
         random_rows = [i for i in range(n) if not params[i].greedy]
         if not random_rows:
@@ -89,19 +122,66 @@ class Sampler:
             tokens = self._sample(logits, request_ids, params)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-            g = torch.tensor(greedy_rows, device=logits.device)
-            r = torch.tensor(random_rows, device=logits.device)
+            g = self._to_device(greedy_rows, torch.long)
+            r = self._to_device(random_rows, torch.long)
             tokens[g] = logits[g].argmax(dim=-1)
             tokens[r] = self._sample(logits[r], [request_ids[i] for i in random_rows],
                                      [params[i] for i in random_rows])
         want = [p.logprobs for p in params]
         if not any(w is not None for w in want):
             return SampledTokens(tokens, want)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(raw, dim=-1)
         k = max(w or 0 for w in want)
         top_vals, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long()))
         sampled_lp = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [N]
         return SampledTokens(tokens, want, (sampled_lp, top_vals, top_ids))
+
+    def _biased_and_masked(self, logits: torch.Tensor, params: list[SamplingParams],
+                           num_generated: list[int]) -> torch.Tensor:
+        """logits [N, V] plus each row's logit_bias, with EOS and stop tokens at -inf in rows that have not
+        reached min_tokens (a new tensor when anything changes)."""
+        vocab = logits.shape[1]
+        rows, cols, values = [], [], []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                if token < vocab:
+                    rows.append(i), cols.append(token), values.append(bias)
+            if num_generated[i] < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+                for token in sorted(t for t in banned if t < vocab):
+                    rows.append(i), cols.append(token), values.append(float("-inf"))
+        if not rows:
+            return logits
+        index = (self._to_device(rows, torch.long), self._to_device(cols, torch.long))
+        return logits.index_put(index, self._to_device(values, logits.dtype), accumulate=True)
+
+    def _counts(self, rows: list[list[int]], pending: list[int | None] | None, in_flight: torch.Tensor | None,
+                vocab: int) -> torch.Tensor:
+        """[R, V] float: how often each token occurs in each row's ids (and its token in flight)."""
+        width = max([len(r) for r in rows] + [0]) + (1 if pending is not None else 0)
+        padded = [r + [vocab] * (width - len(r)) for r in rows]  # id `vocab`: padding, dropped below
+        ids = self._to_device(padded, torch.long).view(len(rows), width)  # [R, W]
+        if pending is not None and any(p is not None for p in pending):
+            sources = self._to_device([-1 if p is None else p for p in pending], torch.long)  # [R]
+            newest = torch.where(sources >= 0, in_flight[sources.clamp(min=0)], vocab)
+            ids[:, -1] = newest
+        counts = torch.zeros(len(rows), vocab + 1, device=ids.device)
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
+        return counts[:, :vocab]
+
+    def _penalized(self, logits: torch.Tensor, params: list[SamplingParams], history: TokenHistory) -> torch.Tensor:
+        """logits [N, V] with each row's presence, frequency and repetition penalties (a new tensor)."""
+        vocab = logits.shape[1]
+        output = self._counts(history.output_ids, history.pending, history.in_flight_tokens, vocab)  # [N, V]
+        presence = self._to_device([p.presence_penalty for p in params], logits.dtype).unsqueeze(1)
+        frequency = self._to_device([p.frequency_penalty for p in params], logits.dtype).unsqueeze(1)
+        logits = logits - frequency * output - presence * (output > 0).to(logits.dtype)
+        repetition = [p.repetition_penalty for p in params]
+        if any(r != 1.0 for r in repetition):
+            seen = (self._counts(history.prompt_ids, None, None, vocab) + output) > 0
+            r = self._to_device(repetition, logits.dtype).unsqueeze(1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        return logits
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         """Exponential race: argmax(p / E) with E ~ Exp(1) samples from p; each row's E from its generator."""
@@ -114,22 +194,27 @@ class Sampler:
                 noise[j].exponential_(generator=self._generator_for(rid, p))
         return (probs / noise).argmax(dim=-1)
 
-    @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        # logits: [R, V] -> probabilities after temperature, top-k and top-p
-        temps = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
+    def _filtered_probs(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        # logits: [R, V] -> probabilities after temperature, top-k, top-p and min-p (not renormalized after
+        # min-p: the exponential race needs only their ratios)
+        temps = self._to_device([p.temperature for p in params], logits.dtype).unsqueeze(1)
         logits = logits / temps
         top_ks = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
         top_ps = [p.top_p for p in params]
         if any(k < logits.shape[1] for k in top_ks) or any(p < 1.0 for p in top_ps):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
-            k_t = torch.tensor(top_ks, device=logits.device).unsqueeze(1)
+            k_t = self._to_device(top_ks, torch.long).unsqueeze(1)
             drop = ranks >= k_t
             sorted_probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            p_t = torch.tensor(top_ps, device=logits.device, dtype=sorted_probs.dtype).unsqueeze(1)
+            p_t = self._to_device(top_ps, sorted_probs.dtype).unsqueeze(1)
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
             drop |= mass_before >= p_t  # keep the smallest prefix whose mass reaches top_p
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        return logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1)
+        min_ps = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_ps):
+            floor = probs.amax(dim=-1, keepdim=True) * self._to_device(min_ps, probs.dtype).unsqueeze(1)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        return probs

@@ -8,7 +8,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from loraserve import LLM
+from loraserve import LLM, SamplingParams
 from loraserve.entrypoints.cli import add_generate_arguments
 from loraserve.entrypoints.engine_flags import engine_args
 from loraserve.errors import ModelLoadError
@@ -98,3 +98,25 @@ def test_loading_shows_a_progress_bar_with_a_total(model, monkeypatch):
         with safe_open(file, framework="pt") as f:
             want += len(list(f.keys()))
     assert [k["total"] for k in seen if k.get("desc") == "Loading weights"] == [want]
+
+
+def test_a_repo_id_loads_from_the_hf_cache_and_nothing_is_downloaded(model, tmp_path, monkeypatch):
+    import shutil
+
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--acme--tiny-llama"
+    shutil.copytree(model, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    by_id = LLM("acme/tiny-llama", device="cpu", max_model_len=64)
+    assert by_id.engine.model_name == "acme/tiny-llama"
+    by_folder = LLM(model, device="cpu", max_model_len=64)
+    greedy = dict(prompt_token_ids=[5, 17, 42, 9])
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert by_id.generate(greedy, params, use_tqdm=False)[0].outputs[0].token_ids == \
+        by_folder.generate(greedy, params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ModelLoadError, match="'acme/missing' is not a local folder and not in the Hugging Face cache"):
+        LLM("acme/missing", device="cpu", max_model_len=64)

@@ -397,3 +397,9 @@ def test_base_model_name_mismatch_warns(base, tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         load_lora_adapter("w", folder, served, max_lora_rank=8)
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    # a GGUF of the same model (its file and repo names carry the quantization): the same base
+    edit_config(folder, base_model_name_or_path="acme/Tiny-Llama")
+    for gguf_name in ("Tiny-Llama-Q4_K_M", "tiny-llama.Q8_0", "bartowski/Tiny-Llama-GGUF"):
+        with caplog.at_level(logging.WARNING):
+            load_lora_adapter("w", folder, spec_of(base, model_name=gguf_name), max_lora_rank=8)
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING], gguf_name

@@ -239,10 +239,30 @@ def test_runtime_updates_are_off_by_default(engine):
     (dict(top_p=1.5), "top_p"), (dict(temperature=2.5), "temperature"), (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"), (dict(logprobs=50), "logprobs"),
     (dict(extra_body={"frequency_penality": 1}), "frequency_penality"),
-    (dict(presence_penalty=0.5), "presence_penalty")])
+    (dict(presence_penalty=2.5), "presence_penalty"), (dict(extra_body={"repetition_penalty": 0}), "repetition_penalty"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    (dict(logit_bias={"5": 500}), "logit_bias"), (dict(extra_body={"min_p": 2}), "min_p"),
+    (dict(extra_body={"min_tokens": 5}), "min_tokens")])
 def test_bad_values_are_400(client, base, extra, param):
     status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", **{"max_tokens": 2, **extra}))
     assert status == 400 and body["param"] == param and body["type"] == "invalid_request_error"
+
+
+def test_vllm_sampling_options(client, base, paths):
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    token = tokenizer("hello", add_special_tokens=False)["input_ids"][0]
+    forced = client.completions.create(model=base, prompt="Once", max_tokens=3, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tokenizer.decode([token] * 3)
+    free = client.completions.create(model=base, prompt="Once", max_tokens=8, temperature=0, presence_penalty=0.5,
+                                     frequency_penalty=0.5, extra_body={"ignore_eos": True, "min_p": 0.2,
+                                                                        "min_tokens": 2, "repetition_penalty": 1.2})
+    free = free.choices[0].text
+    stop = free[2:4]
+    kept = client.completions.create(model=base, prompt="Once", max_tokens=8, temperature=0, stop=[stop],
+                                     presence_penalty=0.5, frequency_penalty=0.5,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True,
+                                                 "repetition_penalty": 1.2})
+    assert kept.choices[0].text.endswith(stop) and free.startswith(kept.choices[0].text)
 
 
 def test_prompt_too_long_is_400(client, base):
