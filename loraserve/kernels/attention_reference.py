@@ -5,6 +5,7 @@ A token's cache slot is ``block_id * block_size + offset``; a sequence's blocks
 are listed, in order, in its row of ``block_tables``.
 """
 import torch
+import torch.nn.functional as F
 
 
 def write_kv_cache(
@@ -52,30 +53,29 @@ def paged_attention_ref(
 
     Sequence s owns query rows ``query_start_loc[s]:query_start_loc[s+1]``;
     they are the last ``q_len`` positions of its ``seq_lens[s]`` cached tokens,
-    and the query at position p sees keys 0..p. Scores and softmax are fp32.
-    A query of a sequence with ``seq_len`` 0 (a decode padding row) gets zeros.
+    and the query at position p sees keys 0..p. Computed in fp32 by torch's
+    scaled_dot_product_attention (its fused CPU kernel: no [q_len, L] score
+    matrix per head). A query of a sequence with ``seq_len`` 0 (a decode
+    padding row) gets zeros.
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.zeros_like(q)  # [T, H, D]
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or seq_len == 0:
             continue
-        keys = _gather_context(k_cache, block_tables[s], seq_len)  # [KVH, L, D]
-        values = _gather_context(v_cache, block_tables[s], seq_len)  # [KVH, L, D]
-        q_seq = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
-        q_seq = q_seq.permute(1, 2, 0, 3)  # [KVH, G, q_len, D]
-        scores = q_seq @ keys.unsqueeze(1).transpose(-1, -2) * scale  # [KVH, G, q_len, L]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
-        k_pos = torch.arange(seq_len, device=q.device)  # [L]
-        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, L]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [KVH, G, q_len, L]
-        o = probs @ values.unsqueeze(1)  # [KVH, G, q_len, D]
-        out[q_start:q_end] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim).to(q.dtype)
+        keys = _gather_context(k_cache, block_tables[s], seq_len)[None]  # [1, KVH, L, D]
+        values = _gather_context(v_cache, block_tables[s], seq_len)[None]  # [1, KVH, L, D]
+        q_seq = q[q_start:q_end].float().transpose(0, 1)[None]  # [1, H, q_len, D] (4-D: the fused CPU kernel)
+        if q_len == seq_len:  # a whole prompt: plain causal
+            mask, causal = None, True
+        else:  # the last q_len positions (a chunk, or decode): query p sees keys 0..p
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)  # [q_len]
+            mask, causal = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None], False  # [q_len, L]
+        o = F.scaled_dot_product_attention(q_seq, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                           enable_gqa=True)  # [1, H, q_len, D]; query head h reads KV head h // G
+        out[q_start:q_end] = o[0].transpose(0, 1).to(q.dtype)
     return out
