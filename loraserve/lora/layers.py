@@ -17,7 +17,8 @@ layer issues its GEMM first, the others their LoRA kernels first
 (GEMM_FIRST_LAYERS). In larger (prefill) steps the layers of FACTORED_LAYERS
 pass the product on as factors, expanded by the next op as it reads the base
 output; the others, and every layer on the CPU, add the product into the base
-output in place, in order. All give the same numbers.
+output in place, in order. All give the same numbers (the factored product up
+to the order of its sums: the rounding of the product can differ by one step).
 """
 from __future__ import annotations
 

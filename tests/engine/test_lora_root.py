@@ -192,6 +192,11 @@ def test_lora_request_forms():
     for bad in [("",), ("a", 1.5), ("a", True), ("a", 1, 2)]:
         with pytest.raises(ValueError):
             LoRARequest(*bad)
+    keywords = LoRARequest(lora_name="a", lora_int_id=7, lora_path="/x")  # vLLM's keywords
+    assert keywords == vllm and (keywords.lora_name, keywords.lora_path, keywords.lora_int_id) == ("a", "/x", 7)
+    assert LoRARequest("a", 3, lora_path="/x") == vllm and LoRARequest(lora_name="a").path is None
+    with pytest.raises(ValueError, match="once"):
+        LoRARequest("a", lora_name="b")
 
 
 def test_generate_command_takes_adapters_from_a_root(setup, capsys):
