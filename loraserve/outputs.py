@@ -27,3 +27,5 @@ class RequestOutput:
     finished: bool = False
     lora_name: str | None = None
     error: str | None = None  # set when the request failed (for example its adapter broke)
+    # with prompt_logprobs: per prompt token, its logprob and the top k given the tokens before it (None first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -13,7 +13,7 @@ class SamplingParams:
     (greedy too). presence_penalty and frequency_penalty (OpenAI's, in [-2, 2]) lower the logits of tokens
     already generated, once and per occurrence; repetition_penalty (> 0, 1 = off) divides the positive logits
     and multiplies the negative ones of tokens in the prompt or generated. logprobs=k returns, per generated token, the sampled token's logprob and the top k (of the
-    model's own distribution). min_tokens: EOS and stop_token_ids can't end (nor be sampled in) the first
+    model's own distribution); prompt_logprobs=k the same for each prompt token after the first. min_tokens: EOS and stop_token_ids can't end (nor be sampled in) the first
     min_tokens tokens. n: that many completions of the prompt (LLM.generate; with a seed, completion i uses
     seed + i). skip_special_tokens: leave special tokens out of the text; include_stop_str_in_output: keep
     the stop string that ended the text.
@@ -34,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -70,8 +71,10 @@ class SamplingParams:
         self.logit_bias = {t: float(v) for t, v in bias.items()} or None
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
+                raise ValueError(f"{name} must be an integer in [0, 20], got {value!r}")
         if isinstance(self.stop, str):
             self.stop_strings = [self.stop]
         else:

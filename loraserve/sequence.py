@@ -49,6 +49,7 @@ class Sequence:
     stop_reason: str | int | None = None
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # one per prompt token, filled as computed
     text: str = ""
     # detokenizer state: text covers output tokens [0, read_offset); prefix_offset starts the decode window
     prefix_offset: int = 0

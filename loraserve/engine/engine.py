@@ -130,7 +130,8 @@ class LLMEngine:
             self.lora_manager.acquire(lora_request.name)
             lora_name = lora_request.name
         seq = Sequence(request_id, text, ids, params, next(self._arrivals), lora_name,
-                       logprobs=[] if params.logprobs is not None else None)
+                       logprobs=[] if params.logprobs is not None else None,
+                       prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -209,7 +210,11 @@ class LLMEngine:
         return []
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and hand them to their sequences."""
+        """Wait for a launched step's tokens (and prompt logprobs) and hand them to their sequences."""
+        if launched.prompt_logprobs is not None:
+            rows, values = launched.prompt_logprobs
+            for (seq, position), entry in zip(rows.owners, values.to_host()):
+                seq.prompt_logprobs[position] = entry  # a recompute after preemption writes the same again
         if launched.samples is None:
             return []
         result = launched.samples.to_host()
@@ -264,7 +269,8 @@ class LLMEngine:
         completion = CompletionOutput(0, seq.text, list(seq.output_token_ids), seq.finish_reason,
                                       list(seq.logprobs) if seq.logprobs is not None else None, seq.stop_reason)
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, [completion], seq.is_finished,
-                             seq.lora_name, seq.error)
+                             seq.lora_name, seq.error,
+                             list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
 
     def stats(self) -> EngineStats:
         """A snapshot of the engine's state (reading it changes nothing)."""

@@ -5,6 +5,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraserve.config import EngineConfig
@@ -14,8 +15,8 @@ from loraserve.models.attention import PagedAttention
 from loraserve.sequence import Sequence, SchedulerOutput
 from loraserve.worker.cuda_graphs import CUDAGraphRunner
 from loraserve.worker.graph_check import verify_graphs
-from loraserve.worker.sampler import SampledTokens, Sampler, TokenHistory
-from loraserve.worker.step_inputs import PendingTokenFill, StepInputs
+from loraserve.worker.sampler import PromptLogprobs, SampledTokens, Sampler, TokenHistory
+from loraserve.worker.step_inputs import PendingTokenFill, PromptLogprobRows, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class LaunchedStep:
 
     sequences: list[Sequence]
     samples: SampledTokens | None  # None when no sequence samples (prefill chunks only)
+    prompt_logprobs: tuple[PromptLogprobRows, PromptLogprobs] | None = None  # requests that asked for them
 
 
 class ModelRunner:
@@ -134,8 +136,10 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None) -> torch.Tensor:
-        """The model on this step's tokens; returns the hidden states of the sampled rows [N, D]."""
+    def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None,
+                      rows: np.ndarray | None = None) -> torch.Tensor:
+        """The model on this step's tokens; returns the hidden states of `rows` [R, D] (default: the sampled
+        rows)."""
         attn = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
@@ -147,7 +151,7 @@ class ModelRunner:
         if fill is not None:
             fill.apply(input_ids)
         hidden = self.model(input_ids, self._to_device(inputs.positions), ForwardContext(attn, lora))
-        return hidden[self._to_device(inputs.logits_rows)]
+        return hidden[self._to_device(inputs.logits_rows if rows is None else rows)]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_ids: dict[str, int],
@@ -158,15 +162,22 @@ class ModelRunner:
         samples = in_flight.samples if in_flight is not None else None
         fill = PendingTokenFill.find(inputs, out.scheduled, in_flight.sequences if in_flight else [],
                                      samples.tokens if samples is not None else None)
-        if self.graph_runner is not None and self.graph_runner.can_replay(inputs):
+        prompt_rows = PromptLogprobRows.find(out.scheduled, inputs.query_start_loc)
+        prompt = None
+        if prompt_rows is None and self.graph_runner is not None and self.graph_runner.can_replay(inputs):
             hidden = self.graph_runner.replay(inputs, fill)  # [T, D]
             if inputs.logits_rows.shape[0] != inputs.num_tokens:  # a row that does not sample (a prompt chunk)
                 hidden = hidden[self._to_device(inputs.logits_rows)]
-        else:
+        elif prompt_rows is None:
             hidden = self.forward_eager(inputs, fill)
+        else:  # the sampled rows, then the rows that score prompt tokens
+            both = self.forward_eager(inputs, fill, np.concatenate([inputs.logits_rows, prompt_rows.rows]))
+            hidden = both[:inputs.logits_rows.shape[0]]
+            prompt = (prompt_rows, PromptLogprobs(self.model.compute_logits(both[hidden.shape[0]:]),
+                                                  prompt_rows.targets, prompt_rows.num_top))
         sampling = [s for s in out.scheduled if s.samples]
         if not sampling:
-            return LaunchedStep([], None)
+            return LaunchedStep([], None, prompt)
         logits = self.model.compute_logits(hidden)  # [N, V]
         seqs = [s.seq for s in sampling]
         params = [seq.sampling_params for seq in seqs]
@@ -178,4 +189,4 @@ class ModelRunner:
                                    samples.tokens if samples is not None else None)
         tokens = self.sampler(logits, [seq.request_id for seq in seqs], params,
                               [len(seq.output_token_ids) + seq.num_pending_tokens for seq in seqs], history)
-        return LaunchedStep(seqs, tokens)
+        return LaunchedStep(seqs, tokens, prompt)

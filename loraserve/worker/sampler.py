@@ -51,6 +51,40 @@ class SampledTokens:
         return SamplerOutput(token_list, out)
 
 
+class PromptLogprobs:
+    """Logprobs of prompt tokens, still on the device: `to_host()` waits for them (with the step's samples).
+
+    Per row: the logprob of the token that follows (`targets`) and the top `num_top[row]` of the model's
+    distribution there; copies to the host start at once (pinned memory on CUDA)."""
+
+    def __init__(self, logits: torch.Tensor, targets: list[int], num_top: list[int]):
+        # logits: [R, V] fp32
+        logprobs = torch.log_softmax(logits, dim=-1)
+        target_t = torch.tensor(targets, dtype=torch.long)
+        if logits.is_cuda:
+            target_t = target_t.pin_memory().to(logits.device, non_blocking=True)
+        k = max(num_top)
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
+        chosen = logprobs.gather(1, target_t.unsqueeze(1)).squeeze(1)  # [R]
+        self.targets, self.num_top = targets, num_top
+        self._host = [t.to("cpu", non_blocking=True) if t.is_cuda else t for t in (chosen, top_vals, top_ids)]
+        self._ready = None
+        if logits.is_cuda:
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def to_host(self) -> list[dict[int, float]]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        chosen, top_vals, top_ids = (t.tolist() for t in self._host)
+        out = []
+        for i, target in enumerate(self.targets):
+            entry = {top_ids[i][j]: top_vals[i][j] for j in range(self.num_top[i])}
+            entry[target] = chosen[i]
+            out.append(entry)
+        return out
+
+
 @dataclass
 class TokenHistory:
     """The tokens each sampling row's request has seen, for the penalties: prompt and generated ids known on

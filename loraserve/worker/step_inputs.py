@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from loraserve.sequence import PENDING_TOKEN, ScheduledSequence
+from loraserve.sequence import PENDING_TOKEN, ScheduledSequence, Sequence
 
 
 @dataclass
@@ -116,6 +116,34 @@ class StepInputs:
         ints = np.zeros(0, np.int64)
         return cls(ints, ints, ints, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32),
                    np.zeros(0, np.int32), ints, 1)
+
+
+@dataclass
+class PromptLogprobRows:
+    """The rows of a step whose next token is a prompt token of a request that asked for prompt_logprobs."""
+
+    rows: np.ndarray  # [R] int64 rows of the step
+    targets: list[int]  # [R] the prompt token each row predicts
+    owners: list[tuple[Sequence, int]]  # [R] the sequence and the prompt position (1..P-1) each row scores
+    num_top: list[int]  # [R] the top logprobs its request asked for
+
+    @classmethod
+    def find(cls, scheduled: list[ScheduledSequence], query_start_loc: np.ndarray) -> PromptLogprobRows | None:
+        rows, targets, owners, num_top = [], [], [], []
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            k = seq.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            start, prompt = seq.num_computed_tokens, seq.prompt_token_ids
+            for pos in range(start, min(start + item.num_new_tokens, len(prompt) - 1)):
+                rows.append(int(query_start_loc[i]) + pos - start)
+                targets.append(prompt[pos + 1])
+                owners.append((seq, pos + 1))
+                num_top.append(k)
+        if not rows:
+            return None
+        return cls(np.asarray(rows, dtype=np.int64), targets, owners, num_top)
 
 
 @dataclass

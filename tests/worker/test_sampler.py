@@ -149,3 +149,24 @@ def test_penalized_greedy_decoding_matches_hf(llm, tiny_model_factory):
     plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
                          use_tqdm=False)[0].outputs[0].token_ids
     assert plain != tokens  # the penalties changed something
+
+
+@pytest.mark.parametrize("budget", [None, 5])  # the whole prompt in one step, or in chunks of 5 tokens
+def test_prompt_logprobs_match_hf(tiny_model_factory, budget):
+    folder = tiny_model_factory("llama")
+    llm = LLM(folder, device="cpu", max_model_len=64, **({"max_num_batched_tokens": budget} if budget else {}))
+    hf = load_hf_model(folder)
+    prompt = [5, 17, 42, 9, 11, 17, 5, 30, 31, 32, 33, 34]
+    asked = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+    out = llm.generate({"prompt_token_ids": prompt}, asked, use_tqdm=False)[0]
+    ref = teacher_forced_logprobs(hf, prompt[:1], prompt[1:])  # [P-1, V]: HF's logprobs of prompt tokens 1..P-1
+    assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+    for pos in range(1, len(prompt)):
+        entry, want = out.prompt_logprobs[pos], ref[pos - 1]
+        top = want.topk(3)
+        assert set(entry) == {prompt[pos], *top.indices.tolist()}
+        for token, value in entry.items():
+            assert abs(value - float(want[token])) < 1e-4, (pos, token)
+    plain = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+                         use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
