@@ -66,7 +66,8 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
         return ShrinkConfig(16, min_block_n, 128, max(1, min(16, cdiv(hidden, 256))))
     block_n = max(min_block_n, min(64, next_power_of_2(sr)))
     # Prefill: K in steps of 128; the split shrinks as the token tiles alone fill the GPU (measured on an H100,
-    # Llama-3-8B's four LoRA layers at T = 8192: unsplit 10% faster than 4-way, within 1.15x of the byte floor).
+    # Llama-3-8B's four LoRA layers at T = 8192: unsplit 10% faster than 4-way; the four together at 1.13x
+    # their byte floor, q/k/v's alone at 1.34x).
     split = 1 if num_tokens >= PREFILL_UNSPLIT_TOKENS else (2 if num_tokens >= PREFILL_UNSPLIT_TOKENS // 4 else 4)
     return ShrinkConfig(64, block_n, 128, max(1, min(split, cdiv(hidden, 1024))), num_warps=8, num_stages=4)
 
