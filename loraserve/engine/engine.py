@@ -251,11 +251,10 @@ class LLMEngine:
         if logprobs is not None:
             seq.logprobs.append(logprobs)
         new_len = len(append_new_text(self.tokenizer, seq)) if self.tokenizer is not None else 0
-        may_stop = len(seq.output_token_ids) > params.min_tokens  # the sampler holds stop tokens back before
-        if may_stop and not params.ignore_eos and token in self.eos_token_ids:
+        if not params.ignore_eos and token in self.eos_token_ids:
             seq.stop_reason = None
             self._finish(seq, "stop")
-        elif may_stop and token in params.stop_token_ids:
+        elif token in params.stop_token_ids:
             seq.stop_reason = token
             self._finish(seq, "stop")
         elif (stop := find_stop_string(seq, new_len)) is not None:

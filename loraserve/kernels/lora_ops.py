@@ -42,11 +42,8 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
     if not _use_triton(x):
         lora_apply_ref(x, y, lora_a, lora_b, lora_rank, meta, slice_offsets)
         return
-    num_slices = len(slice_offsets) - 1
-    # inter: [T, S*R] float32, the shrink's split-K partials already summed
-    inter = torch.empty(x.shape[0], num_slices * meta.rank_width, dtype=torch.float32, device=x.device)
-    lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
-    lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=True)
+    factors = lora_factors(x, lora_a, lora_b, lora_rank, meta, slice_offsets)
+    lora_expand(factors.inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=True)
 
 
 def lora_factors(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor,
@@ -54,6 +51,7 @@ def lora_factors(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lo
     """The LoRA product of x: [T, in] as factors (the shrink run, the expand left to the op that consumes
     the layer's output): as lora_apply, Triton kernels only."""
     num_slices = len(slice_offsets) - 1
+    # inter: [T, S*R] float32, the shrink's split-K partials already summed
     inter = torch.empty(x.shape[0], num_slices * meta.rank_width, dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
     return LoRAFactors(inter, lora_b, lora_rank, meta, tuple(slice_offsets))

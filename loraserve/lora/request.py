@@ -35,26 +35,21 @@ class LoRARequest:
                 path, lora_int_id = lora_path, path
             else:
                 path = lora_path
+        if not isinstance(name, str) or not name:
+            raise ValueError("LoRARequest.name must be a non-empty string")
+        if _is_int(path):  # vLLM's LoRARequest(name, int_id, path): the id came second
+            path, lora_int_id = lora_int_id, path
+        if isinstance(path, os.PathLike):
+            path = os.fspath(path)
+        if path == "":  # vLLM's default lora_path: no path
+            path = None
+        if path is not None and not isinstance(path, str):
+            raise ValueError(f"LoRARequest.path must be a path or None, got {path!r}")
+        if lora_int_id is not None and not _is_int(lora_int_id):
+            raise ValueError(f"LoRARequest.lora_int_id must be an int or None, got {lora_int_id!r}")
         object.__setattr__(self, "name", name)
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "lora_int_id", lora_int_id)
-        self.__post_init__()
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError("LoRARequest.name must be a non-empty string")
-        if _is_int(self.path):  # vLLM's LoRARequest(name, int_id, path): the id came second
-            int_id, path = self.path, self.lora_int_id
-            object.__setattr__(self, "path", path)
-            object.__setattr__(self, "lora_int_id", int_id)
-        if isinstance(self.path, os.PathLike):
-            object.__setattr__(self, "path", os.fspath(self.path))
-        if self.path == "":  # vLLM's default lora_path: no path
-            object.__setattr__(self, "path", None)
-        if self.path is not None and not isinstance(self.path, str):
-            raise ValueError(f"LoRARequest.path must be a path or None, got {self.path!r}")
-        if self.lora_int_id is not None and not _is_int(self.lora_int_id):
-            raise ValueError(f"LoRARequest.lora_int_id must be an int or None, got {self.lora_int_id!r}")
 
     @property
     def lora_name(self) -> str:

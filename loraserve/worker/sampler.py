@@ -14,6 +14,23 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: sampled token + top-k, or None if not asked
 
 
+class _HostCopies:
+    """Device tensors on their way to the host: the copies start at once (non-blocking), `lists()` waits for
+    them (with the step) and returns them as Python lists."""
+
+    def __init__(self, tensors):
+        self._host = [t.to("cpu", non_blocking=True) if t.is_cuda else t for t in tensors]
+        self._ready = None
+        if any(t.is_cuda for t in tensors):
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def lists(self) -> list[list]:
+        if self._ready is not None:
+            self._ready.synchronize()
+        return [t.tolist() for t in self._host]
+
+
 class SampledTokens:
     """A step's samples, still on the device: `to_host()` waits for them (the only host sync of a step).
 
@@ -25,21 +42,14 @@ class SampledTokens:
     def __init__(self, tokens: torch.Tensor, want: list[int | None], logprob_tensors=None):
         self.tokens = tokens  # [N] int64, on the device: a later step may read them there
         self.want = want
-        self._host = [t.to("cpu", non_blocking=True) if t.is_cuda else t
-                      for t in (tokens, *(logprob_tensors or ()))]
-        self._ready = None
-        if tokens.is_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self._copies = _HostCopies((tokens, *(logprob_tensors or ())))
 
     def to_host(self) -> SamplerOutput:
-        if self._ready is not None:
-            self._ready.synchronize()
-        token_list = self._host[0].tolist()
+        token_list, *logprob_lists = self._copies.lists()
         n = len(token_list)
-        if len(self._host) == 1:
+        if not logprob_lists:
             return SamplerOutput(token_list, [None] * n)
-        sampled_lp, top_vals, top_ids = (t.tolist() for t in self._host[1:])
+        sampled_lp, top_vals, top_ids = logprob_lists
         out: list[dict[int, float] | None] = []
         for i in range(n):
             if self.want[i] is None:
@@ -67,16 +77,10 @@ class PromptLogprobs:
         top_vals, top_ids = logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], logprobs[:, :0].long())
         chosen = logprobs.gather(1, target_t.unsqueeze(1)).squeeze(1)  # [R]
         self.targets, self.num_top = targets, num_top
-        self._host = [t.to("cpu", non_blocking=True) if t.is_cuda else t for t in (chosen, top_vals, top_ids)]
-        self._ready = None
-        if logits.is_cuda:
-            self._ready = torch.cuda.Event()
-            self._ready.record()
+        self._copies = _HostCopies((chosen, top_vals, top_ids))
 
     def to_host(self) -> list[dict[int, float]]:
-        if self._ready is not None:
-            self._ready.synchronize()
-        chosen, top_vals, top_ids = (t.tolist() for t in self._host)
+        chosen, top_vals, top_ids = self._copies.lists()
         out = []
         for i, target in enumerate(self.targets):
             entry = {top_ids[i][j]: top_vals[i][j] for j in range(self.num_top[i])}
