@@ -68,6 +68,7 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.90  # share of the GPU's memory the engine may use (CUDA)
     cpu_kv_cache_gb: float = 2.0  # KV cache size on the CPU
     num_gpu_blocks_override: int | None = None  # a fixed number of blocks (tests)
+    enable_prefix_caching: bool = True  # reuse the K/V of cached blocks of equal prefixes (same adapter weights)
 
     def __post_init__(self) -> None:
         if self.block_size not in (8, 16, 32, 64):
@@ -162,6 +163,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0
     num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = True
     enforce_eager: bool = False
     async_scheduling: bool = True
     seed: int = 0
@@ -211,7 +213,7 @@ class EngineArgs:
 
     def _cache(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.gpu_memory_utilization, self.cpu_kv_cache_gb,
-                           self.num_gpu_blocks_override)
+                           self.num_gpu_blocks_override, self.enable_prefix_caching)
 
     def _lora(self) -> LoRAConfig | None:
         if not self.enable_lora:

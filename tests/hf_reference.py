@@ -10,6 +10,18 @@ def load_hf_model(model_dir: str, dtype=torch.float32, device="cpu"):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
 
 
+def load_peft_model(model_dir: str, adapters: dict[str, str]):
+    """The HF model of `model_dir` with PEFT adapters name -> folder loaded (run a batch with
+    `adapter_names=[...]`, "__base__" for no adapter)."""
+    from peft import PeftModel
+
+    names = list(adapters)
+    model = PeftModel.from_pretrained(load_hf_model(model_dir), adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        model.load_adapter(adapters[name], adapter_name=name)
+    return model.eval()
+
+
 @torch.no_grad()
 def teacher_forced_logprobs(hf_model, prompt_ids: list[int], generated_ids: list[int], **forward_kwargs) -> torch.Tensor:
     """[len(generated), V] fp32: HF's log-probabilities for each generated position given the tokens before it."""

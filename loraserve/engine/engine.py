@@ -54,7 +54,8 @@ class LLMEngine:
             runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name, kv_room)
             self.lora_manager = LoRAManager(runtime)
         self.runner = ModelRunner(loaded.model, config, runtime, frozenset(self.eos_token_ids))
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora, self.lora_manager)
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -193,6 +194,9 @@ class LLMEngine:
                 lora_ids = self.lora_manager.prepare(names, running)
             except LoRAAdapterError as exc:
                 return self._fail_adapter(exc)
+            self.scheduler.restart_stale(out)  # an adapter read again: its weights may differ from the cached K/V's
+            if out.is_empty:
+                return []
         self._in_flight = self.runner.execute(out, lora_ids, in_flight)
         now = time.monotonic()
         for item in out.scheduled:
@@ -205,6 +209,7 @@ class LLMEngine:
             self.lora_manager.prefetch(self.scheduler.waiting_loras(self.config.lora.max_loras), running | names)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_computed(item.seq)
         for seq in self._in_flight.sequences:
             seq.num_pending_tokens += 1
         return []
@@ -286,4 +291,13 @@ class LLMEngine:
             lora_gpu_loads=mgr.num_gpu_loads if mgr else 0,
             lora_gpu_evictions=mgr.num_gpu_evictions if mgr else 0,
             lora_recent_load_seconds=list(mgr.recent_load_seconds) if mgr else [],
-            lora_adapters={name: vars(c) for name, c in mgr.counters().items()} if mgr else {})
+            lora_adapters={name: vars(c) for name, c in mgr.counters().items()} if mgr else {},
+            **self._prefix_cache_stats())
+
+    def _prefix_cache_stats(self) -> dict:
+        counts = self.scheduler.prefix_cache_counts
+        registered = set(self.lora_manager.paths) if self.lora_manager else set()
+        return dict(prefix_cache_queries=sum(c.queries for c in counts.values()),
+                    prefix_cache_hits=sum(c.hits for c in counts.values()),
+                    prefix_cache_adapters={name: dict(vars(c)) for name, c in counts.items()
+                                           if name is None or name in registered})

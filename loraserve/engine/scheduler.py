@@ -21,6 +21,13 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    goes to the waiting adapter. So every
    request's wait is bounded by about max_wait_steps plus the longest running
    request of the drained adapters, whatever floods the other adapters.
+4. Prefix caching: a waiting sequence starts with the longest chain of cached
+   KV blocks of its tokens under its adapter's identity (block_manager.py) and
+   computes only the rest; a request that asks for prompt logprobs computes its
+   whole prompt (every prompt position's logits). The tokens looked up and found
+   are counted per adapter (`prefix_cache_counts`). A sequence whose adapter's
+   identity changed between its admission and its step (the adapter was read
+   again) starts again from nothing (`restart_stale`).
 """
 from __future__ import annotations
 
@@ -28,7 +35,8 @@ from collections import Counter, deque
 from typing import AbstractSet, Protocol
 
 from loraserve.config import LoRAConfig, SchedulerConfig
-from loraserve.engine.block_manager import BlockManager
+from loraserve.engine.block_manager import BlockManager, CachedPrefix
+from loraserve.engine.stats import PrefixCacheCounts
 from loraserve.sequence import ScheduledSequence, SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -42,6 +50,8 @@ class AdapterRoom(Protocol):
     def num_pages(self) -> int: ...  # the pool's pages
 
     def pages_of(self, name: str) -> int: ...  # the pages adapter `name` takes
+
+    def identity(self, name: str) -> int: ...  # stands for the weights `name` serves now (prefix cache keys)
 
 
 class _ActiveAdapters:
@@ -82,6 +92,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
         self.num_preemptions = 0  # since start
+        self.prefix_cache_counts: dict[str | None, PrefixCacheCounts] = {}  # adapter (None: base) -> since start
 
     # -- queue management -------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -154,10 +165,14 @@ class Scheduler:
             name = seq.lora_name
             if name is not None and name not in pinned and not self._may_run(name, starving, draining, active):
                 continue  # its adapter does not fit now: the requests behind it go on
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self.block_manager.can_allocate(seq, seq.num_computed_tokens + n):
+            prefix = self._cached_prefix(seq)
+            start = max(seq.num_computed_tokens, prefix.num_tokens)
+            n = min(seq.num_tokens - start, budget)
+            if not self.block_manager.can_allocate(seq, start + n, prefix):
                 break
-            self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            self.block_manager.allocate(seq, start + n, prefix)
+            self._count_lookup(seq, prefix)
+            seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
             if name is not None:
                 active.add(name)
@@ -168,6 +183,41 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
+
+    def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
+        """The cached blocks a waiting sequence starts with. A request for prompt logprobs needs the logits of
+        every prompt position, so it looks nothing up; nor does a sequence that has computed tokens already
+        (benchmarks start sequences in the decode state that way)."""
+        identity = self._room.identity(seq.lora_name) if seq.lora_name is not None else None
+        lookup = seq.sampling_params.prompt_logprobs is None and seq.num_computed_tokens == 0
+        return self.block_manager.cached_prefix(seq, identity, lookup)
+
+    def _count_lookup(self, seq: Sequence, prefix: CachedPrefix) -> None:
+        if prefix.looked_up:
+            counts = self.prefix_cache_counts.setdefault(seq.lora_name, PrefixCacheCounts())
+            counts.queries += seq.num_tokens
+            counts.hits += prefix.num_tokens
+
+    def restart_stale(self, out: SchedulerOutput) -> None:
+        """Call once the step's adapters are resident: a scheduled sequence whose adapter identity is no longer
+        the one its blocks are keyed under (the adapter was read again since it was admitted, and its weights
+        may differ) leaves the step and waits to start again from nothing, so that no K/V computed with other
+        weights is mixed into it."""
+        if self._room is None or not self.block_manager.enable_prefix_caching:
+            return
+        current: dict[str, int] = {}
+        stale = []
+        for item in out.scheduled:
+            name = item.seq.lora_name
+            if name is not None:
+                if name not in current:
+                    current[name] = self._room.identity(name)
+                if self.block_manager.identity_of(item.seq) != current[name]:
+                    stale.append(item)
+        for item in stale:
+            out.scheduled.remove(item)
+            self._preempt(item.seq)
+            out.preempted.append(item.seq)
 
     def _admission_order(self, starving: str | None, active: _ActiveAdapters | None) -> list[Sequence]:
         """The waiting requests in the order they are offered a place: the starving adapter's, then those

@@ -5,6 +5,14 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class PrefixCacheCounts:
+    """Prefix cache lookups since start (of one adapter, or of the base model)."""
+
+    queries: int = 0  # tokens of the sequences looked up when they started
+    hits: int = 0  # of them, tokens found cached (not computed again)
+
+
+@dataclass
 class EngineStats:
     num_running: int
     num_waiting: int
@@ -23,3 +31,7 @@ class EngineStats:
     # per registered adapter: disk_loads, gpu_loads, gpu_evictions, load_seconds, gpu_load_bytes,
     # queue_seconds (summed over its requests' waits before their first step), requests_started
     lora_adapters: dict[str, dict[str, float]] = field(default_factory=dict)
+    prefix_cache_queries: int = 0  # tokens of starting requests looked up in the prefix cache since start
+    prefix_cache_hits: int = 0  # of them, tokens found cached (not computed)
+    # per adapter registered now (None: the base model): {"queries": ..., "hits": ...} since start
+    prefix_cache_adapters: dict[str | None, dict[str, int]] = field(default_factory=dict)

@@ -44,6 +44,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=_DEFAULTS.block_size, help="tokens per KV cache block")
     parser.add_argument("--gpu-memory-utilization", type=float, default=_DEFAULTS.gpu_memory_utilization,
                         help="share of the GPU's memory the engine may use (weights, KV cache, adapters, graphs)")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        default=_DEFAULTS.enable_prefix_caching,
+                        help="reuse the KV cache of prompt prefixes seen before (per adapter weights)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS.async_scheduling,
@@ -69,7 +72,7 @@ def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
                       seed=args.seed, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
                       gpu_memory_utilization=args.gpu_memory_utilization,
-                      enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+                      enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                       enable_lora=enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       lora_gpu_memory=args.lora_gpu_memory, max_cpu_lora_memory=args.max_cpu_lora_memory,
                       max_cpu_loras=args.max_cpu_loras)

@@ -2,8 +2,8 @@
 
 Counters and latency histograms are updated as requests run; the engine's
 state (requests, KV blocks, the adapter pool's and host cache's bytes,
-residency, per-adapter loads, evictions, load and queue seconds, references)
-is read from an EngineStats snapshot taken at each scrape, so adapters that are
+residency, per-adapter loads, evictions, load and queue seconds, references,
+prefix cache queries and hits) is read from an EngineStats snapshot taken at each scrape, so adapters that are
 gone disappear from the labels.
 """
 from __future__ import annotations
@@ -71,6 +71,17 @@ class _EngineStateCollector:
             for name in sorted(names):
                 resident.add_metric([name, location], 1)
         yield resident
+        yield CounterMetricFamily("loraserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=s.prefix_cache_queries)
+        yield CounterMetricFamily("loraserve_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=s.prefix_cache_hits)
+        hit_rate = GaugeMetricFamily("loraserve_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache / looked up, since start, per adapter.",
+                                     labels=["adapter"])
+        for name, counts in sorted(s.prefix_cache_adapters.items(), key=lambda item: item[0] or ""):
+            if counts["queries"]:
+                hit_rate.add_metric([name or BASE_MODEL_LABEL], counts["hits"] / counts["queries"])
+        yield hit_rate
         refs = GaugeMetricFamily("loraserve_lora_requests_in_flight",
                                  "Requests in flight holding a reference to each adapter.", labels=["adapter"])
         for name, count in sorted(s.lora_refcounts.items()):

@@ -11,11 +11,14 @@
 - load-ahead (`prefetch`): the adapters of waiting requests are read from disk on a worker thread and
   copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
   running or waiting request needs.
+- identity (`identity`): a number given to each registration and each read of an adapter's weights, never
+  the name; the prefix cache keys K/V blocks by it, so weights that may differ never share cached blocks.
 - refcounts: requests in flight per adapter. An unregistered adapter refuses new requests; its in-flight
   requests finish with the weights already loaded.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import Counter, OrderedDict, deque
@@ -63,6 +66,7 @@ class _Registered:
     path: str
     rank: int
     source: LoRAAdapter | None = None  # in-memory adapters: packed again from this when out of the host cache
+    generation: int = 0  # its identity: new at registration and at each read (LoRAManager.identity)
     counters: AdapterCounters = field(default_factory=AdapterCounters)
 
 
@@ -85,6 +89,7 @@ class LoRAManager:
         self.num_gpu_loads = 0
         self.num_gpu_evictions = 0
         self.recent_load_seconds: deque[float] = deque(maxlen=LOAD_HISTORY)  # the last loads' times, oldest first
+        self._generations = itertools.count(1)
 
     # -- what the scheduler asks ------------------------------------------------
     @property
@@ -101,6 +106,13 @@ class LoRAManager:
         """The pool pages adapter `name` takes (registered or retired)."""
         entry = self._registry.get(name) or self._retired[name]
         return self.pool.pages_for(entry.rank)
+
+    def identity(self, name: str) -> int:
+        """What the weights adapter `name` (registered or retired) serves now stand for: a number no other
+        registration or read of any adapter had. It changes at each read of the adapter's files (they may have
+        changed while it was out of the caches), so K/V computed with one set of weights is never taken for
+        another's, whatever the name."""
+        return self._entry(name).generation
 
     @property
     def paths(self) -> dict[str, str]:
@@ -138,7 +150,7 @@ class LoRAManager:
         if pinned:
             self._check_pin_room(name, adapter.max_rank)
         source = adapter.to(dtype=self.runtime.dtype)
-        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, source)
+        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, source, next(self._generations))
         if pinned:
             self._pin(name)
 
@@ -312,6 +324,7 @@ class LoRAManager:
                 self._cache_on_cpu(name, loaded.packed)
 
     def _record_load(self, entry: _Registered, seconds: float) -> None:
+        entry.generation = next(self._generations)
         self.num_loads += 1
         self.recent_load_seconds.append(seconds)
         entry.counters.disk_loads += 1

@@ -1,5 +1,7 @@
-"""Scheduler and block manager: invariants under random load, aborts, preemption and adapter limits."""
+"""Scheduler and block manager: invariants under random load, aborts, preemption and adapter limits (prefix
+caching on, as by default: the prompts here share their first tokens)."""
 import random
+from collections import Counter
 
 import pytest
 
@@ -17,9 +19,13 @@ class FakeRoom:
         self.num_pages = num_pages
         self._pages = dict(pages or {})
         self.pinned = frozenset(pinned)
+        self._identities = {}
 
     def pages_of(self, name):
         return self._pages.get(name, 1)
+
+    def identity(self, name):
+        return self._identities.setdefault(name, len(self._identities))  # weights never change here
 
 
 def _seq(i, prompt_len, max_tokens, lora=None):
@@ -28,9 +34,12 @@ def _seq(i, prompt_len, max_tokens, lora=None):
 
 def _check_invariants(sched: Scheduler, out, config: SchedulerConfig, max_loras: int):
     bm = sched.block_manager
-    owned = [b for s in list(sched.running) + list(sched.waiting) for b in s.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned twice"
+    owned = Counter(b for s in list(sched.running) + list(sched.waiting) for b in s.block_table)
+    assert all(bm.refcount(b) == n for b, n in owned.items()), "a block's holders and its refcount differ"
     assert len(owned) + bm.num_free_blocks == bm.num_blocks, "blocks leaked or double-freed"
+    for s in sched.running:
+        for i, b in enumerate(s.block_table):
+            assert owned[b] == 1 or (i + 1) * bm.block_size <= s.num_computed_tokens, "a shared block is written"
     assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
     assert out.num_tokens <= config.max_num_batched_tokens
     assert len(sched.running) <= config.max_num_seqs
@@ -50,6 +59,7 @@ def _complete_step(sched: Scheduler, out, rng, finished):
         seq = item.seq
         samples = item.samples
         seq.num_computed_tokens += item.num_new_tokens
+        sched.block_manager.cache_computed(seq)
         if samples:
             seq.output_token_ids.append(rng.randrange(1000))
             if len(seq.output_token_ids) >= seq.sampling_params.max_tokens:

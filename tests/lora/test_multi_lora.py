@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
+from hf_reference import assert_matches_reference, load_peft_model, teacher_forced_logprobs
 from model_fixtures import make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.errors import UnknownLoRAError
@@ -27,17 +27,6 @@ def lora_setup(tiny_model_factory, tmp_path_factory):
     return folder, dict(zip([s["name"] for s in ADAPTER_SPECS], paths))
 
 
-def _peft_model(folder, adapters: dict[str, str]):
-    from peft import PeftModel
-
-    base = load_hf_model(folder)
-    names = list(adapters)
-    model = PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        model.load_adapter(adapters[name], adapter_name=name)
-    return model.eval()
-
-
 def test_mixed_adapter_batch_matches_peft(lora_setup):
     folder, adapters = lora_setup
     llm = LLM(folder, device="cpu", max_model_len=256, enable_lora=True, max_loras=4, max_lora_rank=16)
@@ -46,7 +35,7 @@ def test_mixed_adapter_batch_matches_peft(lora_setup):
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(2, 30))] for _ in rows]
     requests = [LoRARequest(name, adapters[name]) if name else None for name in rows]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests)
-    peft = _peft_model(folder, adapters)
+    peft = load_peft_model(folder, adapters)
     for name, prompt, out in zip(rows, prompts, outputs):
         assert out.lora_name == name
         ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids,
@@ -106,7 +95,7 @@ def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_
     engine.step = checked_step
     assert run(tight, 16, tight_outputs) == expected
     # under heavy eviction the outputs still equal PEFT's (tokens, and logprobs within 1e-4), every 8th job
-    peft = _peft_model(folder, {f"a{i}": path for i, path in enumerate(paths)})
+    peft = load_peft_model(folder, {f"a{i}": path for i, path in enumerate(paths)})
     for (i, prompt), out in list(zip(jobs, tight_outputs))[::8]:
         ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids, adapter_names=[f"a{i}"])
         assert_matches_reference(out, ref)
