@@ -18,10 +18,13 @@ Zipf popularity (adapter i with probability proportional to 1/(i+1)); every
 name is its own adapter to the engine (its own cache entry and slot writes),
 though the weights repeat every 8 names. Both runs are printed with the ratio
 of output tokens/s and of engine steps. --prefill-only gives every request one
-output token (prompt tokens/s). Writes throughput.json to --out.
+output token (prompt tokens/s). Prefix caching is on, as in the engine, and the prefix cache is emptied
+before each replay (the prompts share nothing else); --prefix-caching off turns it off, both runs every
+engine with it off and then on and prints the ratio of output tokens/s. Writes throughput.json to --out.
 
     python benchmarks/throughput.py [--num-requests 256] [--request-rate 20] [--out DIR]
     python benchmarks/throughput.py --num-requests 512 --prompt-len 64,512 --output-len 128,128 --adapters 64
+    python benchmarks/throughput.py --prefix-caching both --out DIR
     python benchmarks/throughput.py --model synthetic:tiny --device cpu --quick --out /tmp/b
 """
 from __future__ import annotations
@@ -75,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-gpu-memory", type=float, default=None,
                    help="GiB of the LoRA engine's adapter pool (default: the engine's)")
     p.add_argument("--prefill-only", action="store_true", help="one output token per request (prompt tok/s)")
+    p.add_argument("--prefix-caching", choices=("on", "off", "both"), default="on",
+                   help="the engines' prefix caching; both: each engine off, then on (default on)")
     p.add_argument("--replays", type=int, default=2,
                    help="replay the trace this many times on each engine and report the last (default 2)")
     args = p.parse_args(argv)
@@ -157,7 +162,7 @@ def register_adapters(engine, args) -> None:
         engine.lora_manager.register_adapter(f"lora-{i}", made[i % len(made)])
 
 
-def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, rng) -> dict:
+def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, rng, caching: bool = True) -> dict:
     """Build one engine, warm it up, replay the trace; the engine is freed on return."""
     needed = args.prompt_len[1] + args.output_len[1] + 1
     lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=max(args.lora_rank),
@@ -166,7 +171,7 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     engine = LLMEngine.from_args(EngineArgs(
         args.model, device=device, dtype=args.dtype, max_model_len=needed, max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager, seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-        async_scheduling=args.async_scheduling, **lora_options))
+        async_scheduling=args.async_scheduling, enable_prefix_caching=caching, **lora_options))
     info = bc.engine_info(engine, time.perf_counter() - t0)
     warmed: list[str] = []
     if lora:
@@ -175,6 +180,7 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     warm_up(engine, engine.hf_config.vocab_size, args.prompt_len[0], rng, warmed)
     replays = []
     for replay in range(args.replays):  # the last one counts; the earlier ones warm the engine up
+        engine.block_manager.reset_prefix_cache()  # no replay reuses the prompts of the one before
         preempted_before = engine.scheduler.num_preemptions
         elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals,
                                          adapters if lora else [None] * len(prompts), prefix=f"r{replay}")
@@ -237,12 +243,22 @@ def main(argv=None) -> int:
           + (f"; LoRA: {args.adapters} adapters ({args.adapter_dist}), rank {','.join(map(str, args.lora_rank))}, "
              f"max_loras {args.max_loras or 'default'}, pool {args.lora_gpu_memory or 'default'} GiB"
              if args.adapters else ""))
-    results = {"base": run_engine(args, device, False, prompts, out_lens, arrivals, adapters, rng)}
-    print_result(args.model, results["base"], device)
+    results = {}
+    cachings = {"on": [True], "off": [False], "both": [False, True]}[args.prefix_caching]
+    for lora in [False, True] if args.adapters else [False]:
+        kind = "lora" if lora else "base"
+        for caching in cachings:
+            name = kind + ("" if caching else "-no-prefix-caching")
+            results[name] = run_engine(args, device, lora, prompts, out_lens, arrivals, adapters, rng, caching)
+            print_result(f"{args.model}{' + LoRA' if lora else ''}, prefix caching {'on' if caching else 'off'}",
+                         results[name], device)
+        if args.prefix_caching == "both":
+            on, off = results[kind], results[f"{kind}-no-prefix-caching"]
+            print(f"{kind}, prefix caching on / off: output tok/s {on['output_tok_s'] / off['output_tok_s']:.3f}, "
+                  f"TTFT p50 {on['ttft_s']['p50'] / off['ttft_s']['p50']:.3f}")
     if args.adapters:
-        results["lora"] = run_engine(args, device, True, prompts, out_lens, arrivals, adapters, rng)
-        print_result(f"{args.model} + LoRA", results["lora"], device)
-        base, lora = results["base"], results["lora"]
+        suffix = "" if args.prefix_caching != "off" else "-no-prefix-caching"
+        base, lora = results["base" + suffix], results["lora" + suffix]
         print(f"LoRA / base: output tok/s {lora['output_tok_s'] / base['output_tok_s']:.3f}, total tok/s "
               f"{lora['total_tok_s'] / base['total_tok_s']:.3f}, engine steps "
               f"{lora['engine_steps'] / base['engine_steps']:.2f}x ({lora['engine_steps']} / {base['engine_steps']})")

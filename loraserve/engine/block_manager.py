@@ -1,18 +1,20 @@
 """Paged KV-cache bookkeeping in plain Python: which blocks each sequence holds, and the prefix cache.
 
-Prefix caching (on unless `enable_prefix_caching=False`): once a sequence has computed a full block, the
-block is known by a key, SHA-256 of (the key of the block before it, the adapter identity, the block's token
-ids). Equal keys therefore mean the same tokens from position 0 on, computed under the same adapter weights:
-the same K/V. A sequence that starts (new, or again after preemption) takes the longest chain of cached
-blocks of its tokens and computes only the rest. Blocks are reference counted: a block shared by several
-sequences is read by all and written by none (only full, computed blocks are shared). A freed block keeps its
-key and stays in the cache until its memory is needed; blocks are evicted least recently freed first, the
-end of a freed chain before its start.
+Prefix caching (on unless `enable_prefix_caching=False`): a full block is known by a key, SHA-256 of (the
+key of the block before it, the adapter identity, the block's token ids), so equal keys mean the same tokens
+from position 0 on under the same adapter weights: the same K/V. A block enters the cache when the step that
+fills it is scheduled (a sequence admitted later in that step may take it: each layer writes the step's K/V
+before it attends) and leaves it again if that step is not launched. A sequence that starts (new, or again
+after preemption) takes the longest chain of cached blocks of its tokens and computes only the rest, at least
+its last token. Blocks are reference counted; a shared block is full and only its first holder writes it,
+once. A freed block keeps its key and stays in the cache until its memory is needed: free blocks without a
+key are handed out first, then cached ones least recently freed first, the end of a freed chain before its
+start.
 
-The adapter identity is not the adapter's name: it is a number the LoRA manager gives each load of an
-adapter's weights (see `LoRAManager.identity`), so a name removed and added again with other weights, or
-files read again after they changed, never meet blocks computed with the old weights. None stands for the
-base model.
+The adapter identity is not the adapter's name: it is a number the LoRA manager gives each registration and
+each read of an adapter's weights (`LoRAManager.identity`), so a name removed and added again with other
+weights, or files read again after they changed, never meet blocks computed with other weights. None stands
+for the base model. Everything here is host bookkeeping: no device work, no sync.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class CachedPrefix:
 @dataclass
 class _Chain:
     """A sequence's part in the prefix cache: the identity its blocks are keyed under and the keys of its
-    first full blocks (those found cached or registered since)."""
+    first full blocks (found cached, or offered to the cache since)."""
 
     identity: int | None
     keys: list[bytes]
@@ -64,9 +66,8 @@ class BlockManager:
     """A pool of `num_blocks` KV blocks of `block_size` tokens each, with a prefix cache over them.
 
     A sequence's block_table grows as it needs room (`can_allocate` / `allocate` for a target token count;
-    the first allocation takes a `CachedPrefix` from `cached_prefix`), gets its computed full blocks into the
-    cache with `cache_computed`, and is returned whole by `free`. Free blocks are those no sequence holds:
-    blocks that hold nothing to reuse are handed out first, then cached ones, least recently freed first.
+    the first allocation takes a `CachedPrefix` from `cached_prefix`), offers its full blocks to the cache
+    with `cache_blocks` as the steps that compute them are scheduled, and is returned whole by `free`.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -119,15 +120,18 @@ class BlockManager:
             parent = key
         return prefix
 
-    def cache_computed(self, seq: Sequence) -> None:
-        """Key the full blocks of `seq` whose tokens are computed (and known on the host) and offer them to
-        the cache; a key already cached keeps its block (this one stays the sequence's own)."""
+    def cache_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Offer the cache the full blocks among the first `num_tokens` tokens of `seq` whose ids are known on
+        the host, called when a step that fills a block is scheduled: a sequence admitted later in the same
+        step may take them, since each layer writes the step's K/V before it attends. A block with a token
+        still in flight (a decode step of async scheduling) waits for the next call, or for `free`. A key
+        already cached keeps its block (this one stays the sequence's own). If the step does not run,
+        `uncache_uncomputed` takes them back."""
         chain = self._chains.get(seq)
         if chain is None:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens, seq.num_resolved_tokens) // bs
-        for i in range(len(chain.keys), full):
+        for i in range(len(chain.keys), min(num_tokens, seq.num_resolved_tokens) // bs):
             parent = chain.keys[-1] if chain.keys else ROOT_KEY
             key = block_key(parent, chain.identity, seq.token_range(i * bs, (i + 1) * bs))
             chain.keys.append(key)
@@ -135,6 +139,20 @@ class BlockManager:
                 block = seq.block_table[i]
                 self._block_of[key] = block
                 self._key_of[block] = key
+
+    def uncache_uncomputed(self, seq: Sequence) -> None:
+        """The step that was to compute blocks of `seq` did not run: the cache forgets those of them it got
+        from `seq`, whose K/V was never written."""
+        chain = self._chains.get(seq)
+        if chain is None:
+            return
+        computed = seq.num_computed_tokens // self.block_size
+        for i in range(computed, len(chain.keys)):
+            block = seq.block_table[i]
+            if self._block_of.get(chain.keys[i]) == block:
+                del self._block_of[chain.keys[i]]
+                del self._key_of[block]
+        del chain.keys[computed:]
 
     def identity_of(self, seq: Sequence) -> int | None:
         """The adapter identity that the blocks of `seq` are keyed under (given when it started)."""
@@ -194,7 +212,8 @@ class BlockManager:
         """Return the blocks of `seq` (finished, aborted or preempted); its computed full blocks are cached
         first. A block no other sequence holds becomes free, keeping its key if it has one."""
         if seq in self._chains:
-            self.cache_computed(seq)
+            self.uncache_uncomputed(seq)
+            self.cache_blocks(seq, seq.num_computed_tokens)
             del self._chains[seq]
         for block in reversed(seq.block_table):  # a chain's end is evicted before its start
             self._refs[block] -= 1

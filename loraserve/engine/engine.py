@@ -193,6 +193,7 @@ class LLMEngine:
             try:
                 lora_ids = self.lora_manager.prepare(names, running)
             except LoRAAdapterError as exc:
+                self.scheduler.cancel(out)
                 return self._fail_adapter(exc)
             self.scheduler.restart_stale(out)  # an adapter read again: its weights may differ from the cached K/V's
             if out.is_empty:
@@ -209,7 +210,6 @@ class LLMEngine:
             self.lora_manager.prefetch(self.scheduler.waiting_loras(self.config.lora.max_loras), running | names)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_computed(item.seq)
         for seq in self._in_flight.sequences:
             seq.num_pending_tokens += 1
         return []
@@ -237,7 +237,7 @@ class LLMEngine:
     def _fail_adapter(self, exc: LoRAAdapterError) -> list[RequestOutput]:
         """An adapter broke after registration (its files changed while it was out of the caches):
         finish its requests with the error, unregister it, and leave every other request running.
-        The step's other sequences keep their blocks and run in the next step."""
+        The step's other sequences run in the next step (Scheduler.cancel)."""
         logger.error("%s; its requests fail, the engine goes on", exc)
         failed = [seq for seq in self._requests.values() if seq.lora_name == exc.adapter]
         outputs = []

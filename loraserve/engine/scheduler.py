@@ -90,6 +90,7 @@ class Scheduler:
         self._step = 0  # schedule() calls so far
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self._admitted: set[Sequence] = set()  # admitted by the last schedule()
         self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
         self.num_preemptions = 0  # since start
         self.prefix_cache_counts: dict[str | None, PrefixCacheCounts] = {}  # adapter (None: base) -> since start
@@ -127,8 +128,10 @@ class Scheduler:
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._step += 1
+        self._admitted = set()
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        block_size = self.block_manager.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -145,6 +148,8 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # seq preempted itself: it was the newest
             self.block_manager.allocate(seq, seq.num_computed_tokens + n)
+            if (seq.num_computed_tokens + n) // block_size > seq.num_computed_tokens // block_size:
+                self.block_manager.cache_blocks(seq, seq.num_computed_tokens + n)  # it fills a block
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
             i += 1
@@ -171,6 +176,7 @@ class Scheduler:
             if not self.block_manager.can_allocate(seq, start + n, prefix):
                 break
             self.block_manager.allocate(seq, start + n, prefix)
+            self.block_manager.cache_blocks(seq, start + n)
             self._count_lookup(seq, prefix)
             seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
@@ -183,6 +189,7 @@ class Scheduler:
         for seq in admitted:
             self.waiting.remove(seq)
             self.running.append(seq)
+        self._admitted = set(admitted)
 
     def _cached_prefix(self, seq: Sequence) -> CachedPrefix:
         """The cached blocks a waiting sequence starts with. A request for prompt logprobs needs the logits of
@@ -218,6 +225,19 @@ class Scheduler:
             out.scheduled.remove(item)
             self._preempt(item.seq)
             out.preempted.append(item.seq)
+
+    def cancel(self, out: SchedulerOutput) -> None:
+        """The step `out` was not launched: the blocks it was to compute are not in the cache. The sequences it
+        admitted wait again (their cached prefix may hold such blocks); the others keep their blocks and run
+        in the next step."""
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # finished meanwhile
+            if seq in self._admitted:
+                self._requeue(seq)
+            else:
+                self.block_manager.uncache_uncomputed(seq)
 
     def _admission_order(self, starving: str | None, active: _ActiveAdapters | None) -> list[Sequence]:
         """The waiting requests in the order they are offered a place: the starving adapter's, then those
@@ -268,12 +288,16 @@ class Scheduler:
         return min(candidates, key=lambda name: (self._running_loras[name], name), default=None)
 
     def _preempt(self, seq: Sequence) -> None:
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._requeue(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """A running sequence back to the front of the queue, to start again from nothing."""
         self.running.remove(seq)
         self._drop_lora(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         seq.queued_at_step = self._step
         self.waiting.appendleft(seq)

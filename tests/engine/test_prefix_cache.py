@@ -49,12 +49,11 @@ def _scheduler(num_blocks=64, budget=64, max_num_seqs=16, caching=True):
 
 
 def _step(sched):
-    """One step as the engine runs it: schedule, the sequences advance, computed blocks go into the cache; a
-    sequence that samples gets token 7. Returns the scheduled (sequence, new tokens) pairs."""
+    """One step as the engine runs it: schedule, the sequences advance; a sequence that samples gets token 7.
+    Returns the scheduled (sequence, new tokens) pairs."""
     out = sched.schedule()
     for item in out.scheduled:
         item.seq.num_computed_tokens += item.num_new_tokens
-        sched.block_manager.cache_computed(item.seq)
     for item in out.scheduled:
         if item.samples:
             item.seq.output_token_ids.append(7)
@@ -160,7 +159,7 @@ def test_freed_blocks_stay_cached_until_needed_and_go_least_recently_freed_first
 def test_reference_counts_keep_shared_blocks_alive():
     bm = BlockManager(4, BS)
     a = _computed(bm, "a", range(10, 18))
-    bm.cache_computed(a)
+    bm.cache_blocks(a, 8)
     b = _seq("b", list(range(10, 18)) + [1])
     prefix = bm.cached_prefix(b, None)
     assert prefix.blocks == a.block_table
@@ -201,13 +200,43 @@ def test_a_sequence_whose_adapter_was_read_again_restarts_before_its_step():
     assert [(i.seq, i.num_new_tokens) for i in out.scheduled if i.seq is b] == [(b, 13)]  # nothing under 42
 
 
+def test_requests_admitted_in_one_step_share_what_the_first_computes():
+    sched = _scheduler()
+    shared = list(range(300, 316))  # 4 full blocks
+    a, b = _seq("a", shared + [1, 2]), _seq("b", shared + [3])
+    sched.add(a)
+    sched.add(b)
+    out = sched.schedule()
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(a, 18), (b, 1)]
+    assert b.block_table[:4] == a.block_table[:4]  # a writes them in this step, before b's attention reads them
+
+
+def test_a_step_that_is_not_launched_takes_back_what_it_offered_the_cache():
+    sched = _scheduler(budget=10)
+    shared = list(range(300, 316))
+    a, b = _seq("a", shared + [1, 2, 3]), _seq("b", shared + [9])
+    sched.add(a)
+    assert _step(sched) == [(a, 10)]  # 2 full blocks computed
+    sched.add(b)
+    out = sched.schedule()  # a's next 9 tokens fill 2 more blocks; b takes all 4, then computes 1
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(a, 9), (b, 1)]
+    sched.cancel(out)
+    assert b.status is SequenceStatus.WAITING and not b.block_table and b.num_computed_tokens == 0
+    assert a.status is SequenceStatus.RUNNING and a.num_computed_tokens == 10
+    assert sched.block_manager.num_cached_blocks == 2  # what a computed; not what the cancelled step was to
+    sched.finish(a, "abort")  # a never computes the other two
+    assert _step(sched) == [(b, 9)]
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_requests_with_aborts_keep_every_slot_right_and_leak_nothing(seed):
     """1,000 requests whose prompts share prefixes (a few system prompts and their extensions) over the base
-    model and two adapters, under a KV cache that forces preemption and eviction, with aborts and adapter
-    identities that change. Every KV slot records what was computed there (the identity and the tokens up to
-    its position); at each step, every scheduled sequence must find in the slots it has computed, reused
-    blocks included, its own tokens computed under its adapter's current identity."""
+    model and two adapters, under a KV cache that forces preemption and eviction, with aborts, steps that are
+    not launched (Scheduler.cancel) and adapter identities that change (Scheduler.restart_stale). Every KV
+    slot records what was computed there: the identity and the tokens up to its position. A step writes its
+    new tokens' slots (each slot by one sequence), then every sequence it runs must find, in all the slots
+    before its new tokens, its own tokens computed under its adapter's current identity: blocks taken from
+    the cache, also from a sequence of the same step, included."""
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48, max_model_len=512)
     room = Room()
@@ -219,31 +248,40 @@ def test_random_requests_with_aborts_keep_every_slot_right_and_leak_nothing(seed
     for i in range(1000):
         prompt = list(rng.choice(systems)) + [rng.randrange(1000) for _ in range(rng.randint(0, 10))]
         pending.append(_seq(i, prompt, rng.randint(1, 12), rng.choice([None, "a", "b"])))
-    finished = aborted = steps = 0
+    finished = aborted = cancelled = steps = 0
     while pending or sched.has_unfinished():
         for _ in range(rng.randint(0, 6)):
             if pending:
                 sched.add(pending.pop())
+        out = sched.schedule()
         if rng.random() < 0.02:  # an adapter read again: its cached blocks must never be reused
             room.identities[rng.choice(["a", "b"])] = rng.randrange(100, 10**6)
-        out = sched.schedule()
         sched.restart_stale(out)
         owners = Counter(b for s in list(sched.running) + list(sched.waiting) for b in s.block_table)
         assert all(bm.refcount(b) == n for b, n in owners.items())
         assert len(owners) + bm.num_free_blocks == bm.num_blocks
+        if out.scheduled and rng.random() < 0.1:  # the step is not launched (an adapter failed to load)
+            sched.cancel(out)
+            cancelled += 1
+            out.scheduled = []
+        written = set()
         for item in out.scheduled:
             seq = item.seq
             ident = room.identity(seq.lora_name) if seq.lora_name else None  # the weights it runs with now
             tokens = seq.token_range(0, seq.num_computed_tokens + item.num_new_tokens)
-            for pos in range(seq.num_computed_tokens):  # what it reads: its own history
-                assert slots[(seq.block_table[pos // BS], pos % BS)] == (ident, tuple(tokens[:pos + 1])), pos
             for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens):
-                block = seq.block_table[pos // BS]
-                assert bm.refcount(block) == 1, "a block held by another sequence is written"
-                slots[(block, pos % BS)] = (ident, tuple(tokens[:pos + 1]))
+                slot = (seq.block_table[pos // BS], pos % BS)
+                assert slot not in written, "two sequences write one slot in a step"
+                written.add(slot)
+                slots[slot] = (ident, tuple(tokens[:pos + 1]))
+        for item in out.scheduled:
+            seq = item.seq
+            ident = room.identity(seq.lora_name) if seq.lora_name else None
+            tokens = seq.token_range(0, seq.num_computed_tokens)
+            for pos in range(seq.num_computed_tokens):  # what its attention reads: its own history
+                assert slots[(seq.block_table[pos // BS], pos % BS)] == (ident, tuple(tokens[:pos + 1])), pos
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-            bm.cache_computed(item.seq)
         for item in out.scheduled:
             if item.samples:
                 seq = item.seq
@@ -261,4 +299,5 @@ def test_random_requests_with_aborts_keep_every_slot_right_and_leak_nothing(seed
     assert bm.num_free_blocks == bm.num_blocks and not bm._chains
     assert all(bm.refcount(b) == 0 for b in range(bm.num_blocks))
     hits = sum(c.hits for c in sched.prefix_cache_counts.values())
-    assert hits > 0 and sched.num_preemptions > 0, "the run was meant to reuse blocks and to preempt"
+    assert hits > 0 and sched.num_preemptions > 0 and cancelled > 0 and bm.num_evictions > 0, \
+        "the run was meant to reuse blocks, evict, preempt and cancel steps"

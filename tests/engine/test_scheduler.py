@@ -37,9 +37,10 @@ def _check_invariants(sched: Scheduler, out, config: SchedulerConfig, max_loras:
     owned = Counter(b for s in list(sched.running) + list(sched.waiting) for b in s.block_table)
     assert all(bm.refcount(b) == n for b, n in owned.items()), "a block's holders and its refcount differ"
     assert len(owned) + bm.num_free_blocks == bm.num_blocks, "blocks leaked or double-freed"
-    for s in sched.running:
+    computed = {item.seq: item.seq.num_computed_tokens + item.num_new_tokens for item in out.scheduled}
+    for s in sched.running:  # a shared block is full and computed by the end of this step
         for i, b in enumerate(s.block_table):
-            assert owned[b] == 1 or (i + 1) * bm.block_size <= s.num_computed_tokens, "a shared block is written"
+            assert owned[b] == 1 or (i + 1) * bm.block_size <= computed.get(s, s.num_computed_tokens)
     assert all(not s.block_table for s in sched.waiting), "a waiting sequence holds blocks"
     assert out.num_tokens <= config.max_num_batched_tokens
     assert len(sched.running) <= config.max_num_seqs
@@ -59,7 +60,6 @@ def _complete_step(sched: Scheduler, out, rng, finished):
         seq = item.seq
         samples = item.samples
         seq.num_computed_tokens += item.num_new_tokens
-        sched.block_manager.cache_computed(seq)
         if samples:
             seq.output_token_ids.append(rng.randrange(1000))
             if len(seq.output_token_ids) >= seq.sampling_params.max_tokens:
