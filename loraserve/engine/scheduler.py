@@ -24,10 +24,13 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
 4. Prefix caching: a waiting sequence starts with the longest chain of cached
    KV blocks of its tokens under its adapter's identity (block_manager.py) and
    computes only the rest; a request that asks for prompt logprobs computes its
-   whole prompt (every prompt position's logits). The tokens looked up and found
-   are counted per adapter (`prefix_cache_counts`). A sequence whose adapter's
-   identity changed between its admission and its step (the adapter was read
-   again) starts again from nothing (`restart_stale`).
+   whole prompt (every prompt position's logits). Blocks a step fills are
+   offered to the cache as it is scheduled, so requests admitted together share
+   them. The tokens looked up and found are counted per adapter
+   (`prefix_cache_counts`). A sequence whose adapter's identity changed between
+   its admission and its step (the adapter was read again) starts again from
+   nothing (`restart_stale`); a step that is not launched takes back what it
+   offered the cache, and the sequences it admitted wait again (`cancel`).
 """
 from __future__ import annotations
 
