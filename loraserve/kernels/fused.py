@@ -1,8 +1,11 @@
 """Fused elementwise Triton kernels of the decoder layer, one launch each.
 
-- ``rms_norm``: optional residual add + RMSNorm (HF numerics);
-- ``silu_and_mul``: ``silu(gate) * up`` on the packed gate/up output;
-- ``rotary_and_cache``: rotate-half rotary on q and k, plus the K/V cache write.
+- ``rms_norm``: optional residual add + RMSNorm (HF numerics), Llama's ``w * x`` or Gemma's
+  ``(1 + w) * x`` (``unit_offset``), optionally after a first norm of x alone (Gemma's post-attention and
+  post-feedforward norms, ``pre_weight``);
+- ``silu_and_mul`` / ``gelu_tanh_and_mul``: ``act(gate) * up`` on the packed gate/up output;
+- ``rotary_and_cache``: rotate-half rotary on q and k (optionally after a per-head RMSNorm of each, Qwen3
+  and Gemma 3), plus the K/V cache write.
 
 Each takes an optional ``delta`` of its input (float32 or the model dtype; the
 LoRA delta of the projection before it: models.linear.LinearOutput), added
@@ -23,10 +26,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from loraserve.kernels.fused_reference import QKNorm
 from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_launch
 from loraserve.kernels.lora_expand import LoRAFactors
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_shrink import dot_precision, slot_of_tile, slot_work, token_programs
+from loraserve.kernels.tl_math import tanh
 
 _SILU_BLOCK = 1024
 _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
@@ -38,9 +43,11 @@ def _rms_norm_kernel(
     stride_x, stride_delta, stride_res, stride_out, stride_res_out,
     dim, inv_dim, eps,
     HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    pre_w_ptr, PRE_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
-    """One program per row: x (+ delta, rounded), s = x (+ residual, rounded),
-    out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
+    """One program per row: x (+ delta, rounded), (PRE_NORM: x = norm(x) with pre_w, rounded),
+    s = x (+ residual, rounded), out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)
+    (UNIT_OFFSET: out = ((s * rsqrt(mean(s^2) + eps)) * (1 + w)).to(dtype), all in fp32)."""
     if PDL:  # launched early: wait for the kernel before it (it wrote x) before anything else
         tl.extra.cuda.gdc_wait()
     row = tl.program_id(0).to(tl.int64)
@@ -52,6 +59,13 @@ def _rms_norm_kernel(
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_D]
         xf = (xf + d).to(dtype).to(tl.float32)
+    if PRE_NORM:
+        rstd0 = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_dim + eps)
+        w0 = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        if UNIT_OFFSET:
+            xf = (xf * rstd0 * (1.0 + w0)).to(dtype).to(tl.float32)
+        else:
+            xf = (w0 * (xf * rstd0).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         s = (xf + r).to(dtype)
@@ -59,7 +73,10 @@ def _rms_norm_kernel(
         xf = s.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_dim + eps)  # torch's mean multiplies by fp32(1/D)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = w * (xf * rstd).to(dtype).to(tl.float32)
+    if UNIT_OFFSET:
+        out = xf * rstd * (1.0 + w)
+    else:
+        out = w * (xf * rstd).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -72,12 +89,15 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,  # [T, D]
     x_delta: torch.Tensor | None = None,  # [T, D] float32 or x's dtype
+    pre_weight: torch.Tensor | None = None,  # [D]: x is first normalized with this weight (before the residual)
+    unit_offset: bool = False,  # Gemma: (1 + w) * x in fp32, rounded once
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
 
     With a residual, ``s = x + residual`` is computed in fp32, rounded to
     ``x.dtype`` and returned as the new residual; the norm is taken of ``s``.
-    The output dtype is ``promote_types(x.dtype, weight.dtype)`` as in torch.
+    The output dtype is ``promote_types(x.dtype, weight.dtype)`` as in torch (x's dtype with
+    ``unit_offset``, as Gemma's ``type_as``).
     Every op rounds as torch's does except the fp32 sum of squares, whose
     order differs: rstd may differ in its last bits, so the normalized value
     can be one ulp off the reference (rarely), and the output after the weight
@@ -85,7 +105,9 @@ def rms_norm(
     """
     num_tokens, dim = x.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape == (dim,)
-    out = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    assert pre_weight is None or (pre_weight.is_contiguous() and pre_weight.shape == (dim,))
+    out_dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty((num_tokens, dim), dtype=out_dtype, device=x.device)
     res_out = None
     if x_delta is not None:
         assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype in (torch.float32, x.dtype)
@@ -104,15 +126,24 @@ def rms_norm(
         x.stride(0), delta.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
         dim, 1.0 / dim, eps,
         HAS_DELTA=x_delta is not None, HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
-        **pdl_launch(x),
+        pre_w_ptr=weight if pre_weight is None else pre_weight, PRE_NORM=pre_weight is not None,
+        UNIT_OFFSET=unit_offset, **pdl_launch(x),
     )
     return out, res_out
+
+
+@triton.jit
+def _gelu_tanh(g, LIBDEVICE: tl.constexpr):
+    """GeLU's tanh approximation of fp32 g, as torch computes it: 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))."""
+    inner = 0.7978845608028654 * (g + 0.044715 * (g * g * g))
+    return 0.5 * g * (1.0 + tanh(inner, LIBDEVICE))
 
 
 @triton.jit
 def _silu_and_mul_kernel(
     in_ptr, delta_ptr, out_ptr, stride_in, stride_delta, stride_out, inter,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     """Program (row, block): out[row, cols] = round(round(silu(gate)) * up), silu in fp32
     (gate and up first rounded with their delta added)."""
@@ -129,11 +160,14 @@ def _silu_and_mul_kernel(
         gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
         up = (up.to(tl.float32) + d_up).to(up.dtype)
     g = gate.to(tl.float32)
-    if LIBDEVICE_EXP:  # CUDA's expf, as torch's silu uses
-        e = libdevice.exp(-g)
-    else:  # Triton's interpreter has no libdevice
-        e = tl.exp(-g)
-    act = tl.math.div_rn(g, 1.0 + e).to(gate.dtype).to(tl.float32)
+    if GELU_TANH:  # gelu_tanh_and_mul
+        act = _gelu_tanh(g, LIBDEVICE_EXP).to(gate.dtype).to(tl.float32)
+    else:
+        if LIBDEVICE_EXP:  # CUDA's expf, as torch's silu uses
+            e = libdevice.exp(-g)
+        else:  # Triton's interpreter has no libdevice
+            e = tl.exp(-g)
+        act = tl.math.div_rn(g, 1.0 + e).to(gate.dtype).to(tl.float32)
     out = act * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
@@ -141,7 +175,8 @@ def _silu_and_mul_kernel(
 _silu_and_mul_launch = CachedLauncher(_silu_and_mul_kernel)
 
 
-def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None,
+                 activation: str = "silu") -> torch.Tensor:
     """[T, 2I] (+ delta [T, 2I], float32 or the input dtype, or LoRA factors) -> [T, I]: ``silu(gate) * up``
     in one launch; see ``silu_and_mul_ref``. LoRA factors are expanded in the same launch, rounded to the
     input dtype before they are added (what their dense delta gives).
@@ -150,6 +185,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None
     libdevice, as torch computes it) rounded to the input dtype, then the
     product is rounded: bit for bit with torch on the GPU. Triton's
     interpreter has no libdevice and uses ``tl.exp`` (within an fp32 ulp).
+    ``activation="gelu_tanh"``: ``gelu_tanh_and_mul``.
     """
     num_tokens, two_inter = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
@@ -157,7 +193,7 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None
     out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     if isinstance(delta, LoRAFactors):
         if num_tokens:
-            _silu_and_mul_factors(gate_up, delta, out)
+            _silu_and_mul_factors(gate_up, delta, out, gelu_tanh=activation == "gelu_tanh")
         return out
     if delta is not None:
         assert delta.shape == gate_up.shape and delta.stride(-1) == 1 and delta.dtype in (torch.float32, gate_up.dtype)
@@ -167,8 +203,16 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None
     d = gate_up if delta is None else delta
     _silu_and_mul_launch(grid, gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
                                HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
-                               enable_fp_fusion=False, **pdl_launch(gate_up))
+                               enable_fp_fusion=False, GELU_TANH=activation == "gelu_tanh", **pdl_launch(gate_up))
     return out
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
+    """[T, 2I] (+ delta or LoRA factors, as silu_and_mul) -> [T, I]: ``gelu_tanh(gate) * up`` in one launch
+    (Gemma's MLP); see ``gelu_tanh_and_mul_ref``. GeLU's tanh approximation is computed in fp32 (tanh: CUDA's
+    ``tanhf``, or in the interpreter ``1 - 2 / (exp(2x) + 1)``) and rounded to the input dtype, then the
+    product is rounded, as torch's ``gelu(approximate="tanh")`` and the multiply round."""
+    return silu_and_mul(gate_up, delta, activation="gelu_tanh")
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -178,6 +222,7 @@ def _silu_and_mul_lora_kernel(
     rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, stride_pa, num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, COL_TILES: tl.constexpr,
     PRECISION: tl.constexpr, PAGE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
+    GELU_TANH: tl.constexpr,
 ):
     """Program (column-tile group, token-tile programs): as _silu_and_mul_kernel on tiles of one adapter's
     tokens (the step's tile map, as lora_expand walks it, base tokens included), gate and up first given
@@ -220,11 +265,14 @@ def _silu_and_mul_lora_kernel(
             gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
             up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
             g = gate.to(tl.float32)
-            if LIBDEVICE_EXP:
-                e = libdevice.exp(-g)
+            if GELU_TANH:
+                act = _gelu_tanh(g, LIBDEVICE_EXP).to(dtype).to(tl.float32)
             else:
-                e = tl.exp(-g)
-            act = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
+                if LIBDEVICE_EXP:
+                    e = libdevice.exp(-g)
+                else:
+                    e = tl.exp(-g)
+                act = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
             tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], (act * up.to(tl.float32)).to(dtype),
                      mask=mask)
         tile += tl.num_programs(1)
@@ -248,8 +296,9 @@ class SiluLoRAConfig:
 
 
 def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torch.Tensor,
-                          config: SiluLoRAConfig | None = None) -> None:
-    """out = silu(gate) * up with gate/up's LoRA product expanded from its factors in the same launch."""
+                          config: SiluLoRAConfig | None = None, gelu_tanh: bool = False) -> None:
+    """out = silu(gate) * up (or gelu_tanh(gate) * up) with gate/up's LoRA product expanded from its factors in
+    the same launch."""
     num_tokens, two_inter = gate_up.shape
     inter = two_inter // 2
     f, cfg = factors, config or SiluLoRAConfig()
@@ -267,7 +316,7 @@ def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torc
         meta.page_table, meta.page_table.stride(0), tile_map.shape[0],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=16, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(f.lora_b.dtype), PAGE=PAGE_RANK, LIBDEVICE_EXP=gate_up.is_cuda,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False, GELU_TANH=gelu_tanh,
         **pdl_launch(gate_up))
 
 
@@ -276,9 +325,11 @@ def _rotate_heads(
     src_ptr, stride_src_h, delta_ptr, stride_delta_h, dst_ptr, stride_dst_h,  # base pointers at this token
     heads, head_mask, d, d_mask, cos, sin, half,  # heads: [HB]; d: [BLOCK_HALF]; cos, sin: [BLOCK_HALF] fp32
     HAS_DELTA: tl.constexpr,
+    norm_w_ptr, inv_head_dim, eps, QK_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """dst[h] = [x1*c - x2*s, x2*c + x1*s] for heads ``heads``; each product and sum rounds to src's dtype.
-    With a delta, x = round(src + delta) first."""
+    With a delta, x = round(src + delta) first; with QK_NORM, then x = RMSNorm(x) over each head with the
+    weight at norm_w_ptr ([2 * half]), as rms_norm rounds (UNIT_OFFSET: Gemma's)."""
     mask = head_mask[:, None] & d_mask[None, :]
     src = src_ptr + heads[:, None] * stride_src_h + d[None, :]  # [HB, BLOCK_HALF]
     x1 = tl.load(src, mask=mask, other=0.0)
@@ -288,6 +339,18 @@ def _rotate_heads(
         dsrc = delta_ptr + heads[:, None] * stride_delta_h + d[None, :]  # [HB, BLOCK_HALF]
         x1 = (x1.to(tl.float32) + tl.load(dsrc, mask=mask, other=0.0).to(tl.float32)).to(dtype)
         x2 = (x2.to(tl.float32) + tl.load(dsrc + half, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    if QK_NORM:
+        x1f = x1.to(tl.float32)
+        x2f = x2.to(tl.float32)
+        rstd = tl.math.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) * inv_head_dim + eps)[:, None]
+        w1 = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_HALF]
+        w2 = tl.load(norm_w_ptr + half + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+        if UNIT_OFFSET:
+            x1 = (x1f * rstd * (1.0 + w1)).to(dtype)
+            x2 = (x2f * rstd * (1.0 + w2)).to(dtype)
+        else:
+            x1 = (w1 * (x1f * rstd).to(dtype).to(tl.float32)).to(dtype)
+            x2 = (w2 * (x2f * rstd).to(dtype).to(tl.float32)).to(dtype)
     c = cos.to(dtype).to(tl.float32)[None, :]
     s = sin.to(dtype).to(tl.float32)[None, :]
     x1 = x1.to(tl.float32)
@@ -310,6 +373,7 @@ def _rotary_and_cache_kernel(
     stride_qot, stride_qoh,
     num_heads, num_kv_heads, block_size, half,
     HAS_DELTA: tl.constexpr, HB: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
+    q_norm_ptr, k_norm_ptr, inv_head_dim, norm_eps, QK_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """Program (token, group): groups < cdiv(H, HB) rotate q heads; the rest rotate k and copy v to the cache."""
     if PDL:  # launched early: wait for the kernel before it (it wrote q, k, v) before anything else
@@ -326,7 +390,7 @@ def _rotary_and_cache_kernel(
         heads = group * HB + tl.arange(0, HB)
         _rotate_heads(q_ptr + t * stride_qt, stride_qh, dq_ptr + t * stride_dqt, stride_dqh,
                       q_out_ptr + t * stride_qot, stride_qoh, heads, heads < num_heads, d, d_mask, cos, sin, half,
-                      HAS_DELTA)
+                      HAS_DELTA, q_norm_ptr, inv_head_dim, norm_eps, QK_NORM, UNIT_OFFSET)
     else:
         heads = (group - num_q_groups) * HB + tl.arange(0, HB)
         head_mask = heads < num_kv_heads
@@ -335,7 +399,8 @@ def _rotary_and_cache_kernel(
         off = slot % block_size
         _rotate_heads(k_ptr + t * stride_kt, stride_kh, dk_ptr + t * stride_dkt, stride_dkh,
                       k_cache_ptr + blk * stride_kcb + off * stride_kcs, stride_kch,
-                      heads, head_mask, d, d_mask, cos, sin, half, HAS_DELTA)
+                      heads, head_mask, d, d_mask, cos, sin, half, HAS_DELTA,
+                      k_norm_ptr, inv_head_dim, norm_eps, QK_NORM, UNIT_OFFSET)
         cols = tl.arange(0, 2 * BLOCK_HALF)
         mask = head_mask[:, None] & (cols < 2 * half)[None, :]
         v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + cols[None, :], mask=mask)  # [HB, 2*BH]
@@ -359,6 +424,7 @@ def rotary_and_cache(
     v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     slot_mapping: torch.Tensor,  # [T] int64, every entry a valid slot
     qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # shaped as q, k, v; float32 or q's dtype
+    qk_norm: QKNorm | None = None,  # per-head RMSNorm of q and k after the delta, before rotary
 ) -> torch.Tensor:  # [T, H, hd] rotated q (new contiguous tensor, dtype of q)
     """Rotary on q and k, rotated k and plain v written to the caches, in one launch; see ``rotary_and_cache_ref``.
 
@@ -381,10 +447,14 @@ def rotary_and_cache(
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
         assert dq.stride(-1) == dk.stride(-1) == dv.stride(-1) == 1
         assert dq.dtype == dk.dtype == dv.dtype and dq.dtype in (torch.float32, q.dtype)
+    if qk_norm is not None:
+        assert qk_norm.q_weight.shape == qk_norm.k_weight.shape == (head_dim,)
+        assert qk_norm.q_weight.is_contiguous() and qk_norm.k_weight.is_contiguous()
     q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_tokens == 0:
         return q_out
     half = head_dim // 2
+    norm = qk_norm or QKNorm(cos_sin, cos_sin, 0.0, False)  # the pointers are unused without QK_NORM
     block_half = next_power_of_2(half)
     hb = max(1, min(_ROTARY_TILE // block_half, next_power_of_2(max(num_heads, num_kv_heads))))
     grid = (num_tokens, cdiv(num_heads, hb) + cdiv(num_kv_heads, hb))
@@ -397,6 +467,7 @@ def rotary_and_cache(
         q_out.stride(0), q_out.stride(1),
         num_heads, num_kv_heads, k_cache.shape[1], half,
         HAS_DELTA=qkv_delta is not None, HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
-        **pdl_launch(q),
+        q_norm_ptr=norm.q_weight, k_norm_ptr=norm.k_weight, inv_head_dim=1.0 / head_dim, norm_eps=norm.eps,
+        QK_NORM=qk_norm is not None, UNIT_OFFSET=norm.unit_offset, **pdl_launch(q),
     )
     return q_out

@@ -41,8 +41,9 @@ def make_paged(seq_lens, num_kv_heads, head_dim, block_size, dtype, gen):
     return dense_k, dense_v, k_cache, v_cache, block_tables
 
 
-def naive_attention(q, dense_k, dense_v, seq_lens, q_lens, scale):
-    """Float64 loop: query i of sequence s sits at position L-q_len+i and sees keys 0..that position."""
+def naive_attention(q, dense_k, dense_v, seq_lens, q_lens, scale, window=None, softcap=None):
+    """Float64 loop: query i of sequence s sits at position p = L-q_len+i and sees keys 0..p (with a window:
+    the last `window` of them); scores are scaled, then soft-capped (softcap * tanh(score / softcap))."""
     num_heads = q.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
     row = 0
@@ -50,11 +51,14 @@ def naive_attention(q, dense_k, dense_v, seq_lens, q_lens, scale):
         group = num_heads // k.shape[1]
         for i in range(q_len):
             pos = seq_len - q_len + i
+            first = 0 if window is None else max(0, pos - window + 1)
             for h in range(num_heads):
-                keys = k[: pos + 1, h // group].double()  # [pos+1, D]
-                vals = v[: pos + 1, h // group].double()  # [pos+1, D]
-                weights = torch.softmax(keys @ q[row + i, h].double() * scale, dim=0)
-                out[row + i, h] = weights @ vals
+                keys = k[first: pos + 1, h // group].double()  # [n, D]
+                vals = v[first: pos + 1, h // group].double()  # [n, D]
+                scores = keys @ q[row + i, h].double() * scale
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
+                out[row + i, h] = torch.softmax(scores, dim=0) @ vals
         row += q_len
     return out
 
@@ -135,6 +139,78 @@ def test_prefill_kernel_matches_naive(config):
                             qsl_of(q_lens), max(q_lens), 0.25, out, config)
     want = naive_attention(q, dense_k, dense_v, seq_lens, q_lens, 0.25)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+# (window, softcap): windows shorter and longer than a key tile (16 here) and than a query tile, one not a
+# multiple of the block size; a softcap small enough to change the scores (Gemma 2 uses 50 on scores of a
+# larger scale)
+WINDOW_CASES = [(5, None), (16, None), (23, 2.0), (None, 1.5), (40, None)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES)
+def test_reference_with_window_and_softcap_matches_naive(window, softcap):
+    gen = torch.Generator().manual_seed(5)
+    seq_lens, q_lens = [30, 45, 9, 70, 0], [30, 6, 1, 37, 1]
+    dense_k, dense_v, k_cache, v_cache, tables = make_paged(seq_lens, 2, 16, 4, torch.float32, gen)
+    q = torch.randn(sum(q_lens), 4, 16, generator=gen)
+    got = paged_attention_ref(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                              qsl_of(q_lens), 0.3, window, softcap)
+    rows = sum(q_lens[:-1])  # the last sequence is a padding row (zeros)
+    want = naive_attention(q[:rows], dense_k[:-1], dense_v[:-1], seq_lens[:-1], q_lens[:-1], 0.3, window, softcap)
+    torch.testing.assert_close(got[:rows].double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[rows:], torch.zeros_like(got[rows:]))
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_with_window_and_softcap(window, softcap, num_splits):
+    gen = torch.Generator().manual_seed(6)
+    seq_lens = [70, 1, 33, 0, 16]
+    dense_k, dense_v, k_cache, v_cache, tables = make_paged([max(n, 1) for n in seq_lens], 2, 16, 4,
+                                                            torch.float32, gen)
+    q = torch.randn(len(seq_lens), 4, 16, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.3, out,
+                           DecodeConfig(num_splits=num_splits, block_n=16), window=window, softcap=softcap)
+    rows = [i for i, n in enumerate(seq_lens) if n]
+    want = naive_attention(q[rows], [dense_k[i] for i in rows], [dense_v[i] for i in rows],
+                           [seq_lens[i] for i in rows], [1] * len(rows), 0.3, window, softcap)
+    torch.testing.assert_close(out[rows].double(), want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+
+
+@pytest.mark.parametrize("window,softcap", WINDOW_CASES)
+def test_prefill_kernel_with_window_and_softcap(window, softcap):
+    gen = torch.Generator().manual_seed(7)
+    # fresh prompts longer than the windows, a chunk after cached context, a decode-like row
+    seq_lens, q_lens = [70, 60, 9, 33], [70, 21, 1, 33]
+    dense_k, dense_v, k_cache, v_cache, tables = make_paged(seq_lens, 2, 16, 4, torch.float32, gen)
+    q = torch.randn(sum(q_lens), 4, 16, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl_of(q_lens),
+                            max(q_lens), 0.3, out, PrefillConfig(block_m=16, block_n=16), window=window,
+                            softcap=softcap)
+    want = naive_attention(q, dense_k, dense_v, seq_lens, q_lens, 0.3, window, softcap)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernels_serve_a_head_dim_that_is_not_a_power_of_two():
+    """Phi-3's head_dim 96 (here 24): padded to 32 inside the kernels."""
+    gen = torch.Generator().manual_seed(8)
+    seq_lens, q_lens = [21, 40], [21, 8]
+    dense_k, dense_v, k_cache, v_cache, tables = make_paged(seq_lens, 1, 24, 4, torch.float32, gen)
+    q = torch.randn(sum(q_lens), 2, 24, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl_of(q_lens),
+                            max(q_lens), 0.2, out, PrefillConfig(block_m=16, block_n=16), window=10)
+    torch.testing.assert_close(out.double(), naive_attention(q, dense_k, dense_v, seq_lens, q_lens, 0.2, 10),
+                               atol=1e-5, rtol=1e-5)
+    q1 = torch.randn(2, 2, 24, generator=gen)
+    out1 = torch.full_like(q1, float("nan"))
+    paged_decode_attention(q1, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), 0.2, out1,
+                           DecodeConfig(num_splits=2, block_n=16))
+    torch.testing.assert_close(out1.double(), naive_attention(q1, dense_k, dense_v, seq_lens, [1, 1], 0.2),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_kernels_reject_mismatched_dtypes():
