@@ -142,16 +142,25 @@ def kv_bytes_per_token(engine) -> int:
                for layer in engine.runner.attn_layers)
 
 
+def kv_bytes_read(engine, context: float) -> float:
+    """K + V bytes one sequence of `context` tokens reads in a decode step over all layers: a sliding-window
+    layer reads only its window."""
+    return sum(2 * math.prod(layer.k_cache.shape[2:]) * layer.k_cache.element_size() * min(context, layer.window or context)
+               for layer in engine.runner.attn_layers)
+
+
 def adapter_bytes(adapter, dtype: torch.dtype) -> int:
-    """Bytes of an adapter's A and B in `dtype` (adapters are held in fp32 on the CPU)."""
+    """Bytes of an adapter's A and B in `dtype` (adapters are held in fp32 on the CPU); an A that the slices of a
+    packed module share (Phi-3's qkv_proj) counts once."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return sum(a.numel() + b.numel() for a, b in adapter.weights.values()) * elem
+    tensors = {id(t): t for pair in adapter.weights.values() for t in pair}
+    return sum(t.numel() for t in tensors.values()) * elem
 
 
 def decode_floor(engine, batch: int, mean_context: float, extra_bytes: int, bandwidth: float) -> dict:
     """Byte floor of one decode step: weights + KV read by `batch` sequences + `extra_bytes` (adapters)."""
     weights = weight_bytes(engine.runner.model)
-    kv = int(batch * mean_context * kv_bytes_per_token(engine))
+    kv = int(batch * kv_bytes_read(engine, mean_context))
     total = weights + kv + extra_bytes
     return {"weight_bytes": weights, "kv_bytes": kv, "adapter_bytes": extra_bytes, "bytes": total,
             "floor_s": total / bandwidth}

@@ -181,20 +181,13 @@ class EngineArgs:
         self._cache()
         self._lora()
 
-    def create_config(self, max_position_embeddings: int, sliding_window: int | None) -> EngineConfig:
-        """The engine's config for a model of this many positions and this attention window (None: full
-        attention). Sliding-window attention is not implemented, so the window bounds max_model_len, where
-        full attention computes the same thing."""
+    def create_config(self, max_position_embeddings: int) -> EngineConfig:
+        """The engine's config for a model of this many positions."""
         device, dtype = self._device_and_dtype()
         limit = max_position_embeddings
         if self.max_model_len is not None and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                              f"{limit}")
-        if sliding_window is not None:
-            if self.max_model_len is not None and self.max_model_len > sliding_window:
-                raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's sliding attention window "
-                                 f"{sliding_window}, which loraserve does not implement yet")
-            limit = min(limit, sliding_window)
         max_model_len = self.max_model_len or min(limit, DEFAULT_MAX_MODEL_LEN)
         budget = self.max_num_batched_tokens
         if budget is None:

@@ -40,3 +40,16 @@ def assert_matches_reference(output, ref_logprobs: torch.Tensor, atol: float = 1
         assert token == int(ref.argmax()), f"position {pos}: token {token}, HF argmax {int(ref.argmax())}"
         for tid, lp in entry.items():
             assert abs(lp - float(ref[tid])) <= atol, f"position {pos} token {tid}: {lp} vs HF {float(ref[tid])}"
+
+
+@torch.no_grad()
+def incremental_logprobs(hf_model, prompt_ids: list[int], generated_ids: list[int]) -> torch.Tensor:
+    """[len(generated), V] fp32 as HF's generate computes them: the prompt in one pass, then one token per pass
+    with the KV cache (for models whose forward depends on the pass, e.g. LongRoPE's factors)."""
+    out = hf_model(torch.tensor([prompt_ids], device=hf_model.device), use_cache=True)
+    rows = [out.logits[0, -1]]
+    for token in generated_ids[:-1]:
+        cache = out.get("cache") or out.get("past_key_values")
+        out = hf_model(torch.tensor([[token]], device=hf_model.device), past_key_values=cache, use_cache=True)
+        rows.append(out.logits[0, -1])
+    return torch.log_softmax(torch.stack(rows).float(), dim=-1).cpu()

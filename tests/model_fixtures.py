@@ -1,4 +1,5 @@
-"""Test fixtures: tiny random HF models (Llama, Llama-3 RoPE, Mistral, Qwen2), their tokenizer and PEFT adapters.
+"""Test fixtures: tiny random HF models (Llama, Llama-3 RoPE, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Phi-3
+with LongRoPE), their tokenizer and PEFT adapters.
 
 The fixtures built on these (`tiny_tokenizer`, `tiny_model_factory`, `tiny_model_dir`) live in
 tests/conftest.py; test modules import the helpers (`make_lora_adapters`, ...) from here (pytest puts tests/
@@ -14,7 +15,12 @@ import os
 
 import torch
 
-ARCHS = ("llama", "llama3_rope", "mistral", "qwen2")
+ARCHS = ("llama", "llama3_rope", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# more fixtures, not in ARCHS: "phi3_longrope" (HF's LongRoPE switches per forward pass: tests compare it with HF's
+# incremental decoding, not with one teacher-forced pass)
+OTHER_ARCHS = ("phi3_longrope",)
+WINDOW = 20  # the sliding window of the tiny models that have one (shorter than most test prompts)
+LONGROPE_ORIGINAL = 48  # phi3_longrope's original_max_position_embeddings
 WEIGHT_STD = 0.15
 LORA_STD = 0.1
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -53,10 +59,18 @@ def make_tokenizer():
 
 
 def _config(arch: str, tokenizer, overrides: dict):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
-    if arch not in ARCHS:
-        raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHS}")
+    if arch not in ARCHS + OTHER_ARCHS:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; choose one of {ARCHS + OTHER_ARCHS}")
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                   rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
@@ -66,11 +80,33 @@ def _config(arch: str, tokenizer, overrides: dict):
         kwargs.update(tie_word_embeddings=True, rope_theta=500000.0,
                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
-    if arch == "mistral":
-        kwargs.update(sliding_window=None)
+    if arch == "mistral":  # the window in every layer
+        kwargs.update(sliding_window=WINDOW)
+    if arch == "qwen3":  # tied embeddings; layer 0 full attention, layer 1 a sliding window
+        kwargs.update(tie_word_embeddings=True, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1)
+    if arch in ("gemma2", "gemma3"):  # layer 0 a sliding window, layer 1 full attention; scores scaled by 24^-0.5
+        kwargs.update(sliding_window=WINDOW, query_pre_attn_scalar=24, tie_word_embeddings=True,
+                      hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=10.0)
+    if arch == "gemma2":
+        kwargs.update(attn_logit_softcapping=5.0)
+    if arch == "gemma3":  # the full layer's rotary: base 1e6 scaled by 2; the sliding layer's: base 10000
+        kwargs.update(sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=10000.0,
+                      rope_scaling={"rope_type": "linear", "factor": 2.0})
+    if arch in ("phi3", "phi3_longrope"):  # head_dim comes from hidden_size / heads; every layer a window
+        del kwargs["head_dim"]
+        kwargs.update(sliding_window=WINDOW, original_max_position_embeddings=512)
+    if arch == "phi3_longrope":
+        gen = torch.Generator().manual_seed(1)
+        kwargs.update(original_max_position_embeddings=LONGROPE_ORIGINAL, rope_scaling={
+            "type": "longrope", "short_factor": (1 + 0.5 * torch.rand(8, generator=gen)).tolist(),
+            "long_factor": (1 + 7 * torch.rand(8, generator=gen)).sort().values.tolist()})
     kwargs.update(overrides)
-    config_class = {"mistral": MistralConfig, "qwen2": Qwen2Config}.get(arch, LlamaConfig)
-    return config_class(**kwargs)
+    config_class = {"mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "gemma2": Gemma2Config,
+                    "gemma3": Gemma3TextConfig, "phi3": Phi3Config, "phi3_longrope": Phi3Config}.get(arch, LlamaConfig)
+    config = config_class(**kwargs)
+    if arch == "gemma3":
+        config.architectures = ["Gemma3ForCausalLM"]
+    return config
 
 
 def _randomize(model, seed: int, std: float) -> None:

@@ -66,7 +66,7 @@ class LLMEngine:
         """Check the options, read the model's config, resolve the engine's config, then load the model."""
         args.check()  # settings that don't depend on the model fail before anything is read
         source = open_model(args.model)
-        config = args.create_config(source.max_position_embeddings, source.sliding_window)
+        config = args.create_config(source.max_position_embeddings)
         return cls(config, source.load(config.model.device, config.model.dtype, args.tokenizer, args.chat_template))
 
     @property

@@ -4,7 +4,9 @@
 adapter_model.bin, through `torch.load(weights_only=True)` only), maps every
 tensor to a (layer index, module short name) of the served model and checks it
 against the model's shapes, `max_lora_rank` and the config, so that a bad
-adapter fails loudly at load instead of serving wrong or base output.
+adapter fails loudly at load instead of serving wrong or base output. A module
+the checkpoint packs (Phi-3's qkv_proj, gate_up_proj) is split into the slices
+of the LoRA layer (`LoRAModelSpec.split`): the same A, each its rows of B.
 """
 from __future__ import annotations
 
@@ -47,10 +49,12 @@ class LoRAAdapter:
     name: str
     path: str
     max_rank: int  # max rank over its modules
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # -> (A [r, in], B_scaled [out, r])
+    # (layer, slice module) -> (A [r, in], B_scaled [out, r]); the slices of a packed module share one A
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.weights.values() for t in pair)
+        tensors = {id(t): t for pair in self.weights.values() for t in pair}  # a shared A once
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def to(self, device=None, dtype=None, pin_memory: bool = False) -> LoRAAdapter:
         """A new adapter with tensors moved/cast (and pinned, for CPU results); unchanged tensors are shared."""
@@ -63,7 +67,14 @@ class LoRAAdapter:
                 t = t.pin_memory()
             return t
 
-        weights = {key: (move(a), move(b)) for key, (a, b) in self.weights.items()}
+        moved: dict[int, torch.Tensor] = {}  # a shared A stays shared
+
+        def move_once(t: torch.Tensor) -> torch.Tensor:
+            if id(t) not in moved:
+                moved[id(t)] = move(t)
+            return moved[id(t)]
+
+        weights = {key: (move_once(a), move_once(b)) for key, (a, b) in self.weights.items()}
         return LoRAAdapter(self.name, self.path, self.max_rank, weights)
 
 
@@ -240,8 +251,8 @@ def load_lora_adapter(name: str, path: str, spec: LoRAModelSpec, max_lora_rank: 
                 name, "has weights but adapter_config.json (target_modules/layers_to_transform) does not target it",
                 module,
             )
-        weights[(layer, short)] = _module_weights(
-            name, module, grouped[module], spec.modules[short], config, max_lora_rank
-        )
+        a, b = _module_weights(name, module, grouped[module], spec.modules[short], config, max_lora_rank)
+        for slice_name, slice_a, slice_b in spec.split(short, a, b):
+            weights[(layer, slice_name)] = (slice_a, slice_b.contiguous())
     max_rank = max(a.shape[0] for a, _ in weights.values())
     return LoRAAdapter(name=name, path=path, max_rank=max_rank, weights=weights)

@@ -1,4 +1,4 @@
-"""Small model layers: RMSNorm, rotary embedding (default/linear/llama3 scaling), embedding, LM head."""
+"""Small model layers: RMSNorm, rotary embedding (default/linear/llama3/longrope scaling), embedding, LM head."""
 from __future__ import annotations
 
 import math
@@ -11,31 +11,39 @@ from loraserve.models.ops import rms_norm
 
 
 class RMSNorm(nn.Module):
-    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back as HF does.
+    """x * rsqrt(mean(x^2) + eps) * weight, computed in fp32 and cast back as HF does; `unit_offset`: Gemma's
+    x * rsqrt(mean(x^2) + eps) * (1 + weight), all in fp32, cast once.
 
     With a residual, the residual add is fused in: returns (norm(x + residual), x + residual).
-    x_delta (a LinearOutput's delta, float32 or x's dtype) is added to x first.
+    x_delta (a LinearOutput's delta, float32 or x's dtype) is added to x first. x_norm: a norm of the same
+    kind and eps that x still needs before the residual add (Gemma's post-attention and post-feedforward
+    norms), applied first in the same launch.
     """
 
-    def __init__(self, hidden_size: int, eps: float):
+    def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.unit_offset = eps, unit_offset
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_delta: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_delta: torch.Tensor | None = None,
+                x_norm: RMSNorm | None = None):
         # x, residual, x_delta: [T, D] -> (out [T, D], new residual [T, D] or None)
-        return rms_norm(x, self.weight, self.eps, residual, x_delta)
+        pre_weight = None
+        if x_norm is not None:
+            assert (x_norm.eps, x_norm.unit_offset) == (self.eps, self.unit_offset), "norms of different kinds"
+            pre_weight = x_norm.weight
+        return rms_norm(x, self.weight, self.eps, residual, x_delta, pre_weight, self.unit_offset)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] (fp32) with the named rope scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type == "default":
+    kind = rope_type(scaling)
+    if kind == "default":
         return inv_freq
-    if rope_type == "linear":
+    if kind == "linear":
         return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
+    if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
         old_len = float(scaling["original_max_position_embeddings"])
@@ -46,50 +54,117 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3, longrope)")
+
+
+LONGROPE = ("longrope", "su")  # Phi-3's scaling ("su" its first name)
+
+
+def rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def check_rope_scaling(head_dim: int, scaling: dict | None) -> None:
+    """ValueError naming what is wrong with a rope scaling loraserve can't apply."""
+    if rope_type(scaling) not in LONGROPE:
+        rope_inv_freq(head_dim, 10000.0, scaling)  # raises for an unknown type
+        return
+    if not scaling.get("original_max_position_embeddings"):
+        raise ValueError("longrope scaling needs original_max_position_embeddings")
+    for key in ("short_factor", "long_factor"):
+        if len(scaling.get(key) or ()) != head_dim // 2:
+            raise ValueError(f"longrope scaling's {key} needs {head_dim // 2} values (head_dim {head_dim}), "
+                             f"got {len(scaling.get(key) or ())}")
+
+
+def rope_cos_sin(head_dim: int, max_position: int, theta: float, scaling: dict | None,
+                 device: torch.device) -> torch.Tensor:
+    """[max_position, head_dim] fp32: cos(p * f) in the first half, sin(p * f) in the second."""
+    if rope_type(scaling) in LONGROPE:
+        return rope_cos_sin_longrope(head_dim, max_position, theta, scaling, device)
+    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)
+    pos = torch.arange(max_position, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def rope_cos_sin_longrope(head_dim: int, max_position: int, theta: float, scaling: dict,
+                          device: torch.device) -> torch.Tensor:
+    """LongRoPE (Phi-3): inverse frequencies divided by `short_factor` for positions below
+    original_max_position_embeddings and by `long_factor` from there on, cos and sin times the attention
+    factor (sqrt(1 + ln(factor) / ln(original)), factor = max_position_embeddings / original, unless given).
+
+    HF picks one of the two factor sets for a whole forward pass, by its longest position; per position is
+    the same thing whenever a prompt fits the original length, generation past it included (each new
+    token's position then picks the long factors, and the cached keys keep theirs, as in HF's generate).
+    A prompt longer than the original length differs: HF rotates all its positions with the long factors,
+    this table its first `original` positions with the short ones.
+    """
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or scaling["max_position_embeddings"] / original
+    mscale = scaling.get("attention_factor")
+    if mscale is None:
+        mscale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim  # [hd/2]
+    pos = torch.arange(max_position, dtype=torch.float32, device=device)
+    tables = []
+    for key in ("short_factor", "long_factor"):
+        ext = torch.tensor(scaling[key], dtype=torch.float32, device=device)  # [hd/2]
+        freqs = torch.outer(pos, 1.0 / (ext * theta ** exponents))  # [P, hd/2]
+        tables.append(torch.cat([freqs.cos() * mscale, freqs.sin() * mscale], dim=-1))
+    short, long = tables
+    return torch.where(pos[:, None] < original, short, long)  # [P, hd]
 
 
 class RotaryEmbedding(nn.Module):
     """The cos/sin table of rotate-half (NeoX style) rotary embedding, per position.
 
     `cos_sin: [max_position, head_dim]` fp32 holds cos in the first half and sin
-    in the second; models/ops.rotary_and_cache applies it.
+    in the second; models/ops.rotary_and_cache applies it. Layers of the same
+    settings share one table (one module).
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict | None):
         super().__init__()
         self.head_dim, self.max_position, self.theta, self.scaling = head_dim, max_position, theta, scaling
-        rope_inv_freq(head_dim, theta, scaling)  # validates the scaling type now
+        check_rope_scaling(head_dim, scaling)
         self.register_buffer("cos_sin", torch.empty(max_position, head_dim), persistent=False)
 
     def reset_buffers(self) -> None:
         """Fill the cos/sin table on the module's device (after meta-device construction)."""
-        device = self.cos_sin.device
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
-        pos = torch.arange(self.max_position, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)  # [P, hd/2]
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # [P, hd] fp32
+        self.cos_sin = rope_cos_sin(self.head_dim, self.max_position, self.theta, self.scaling,
+                                    self.cos_sin.device)  # [P, hd] fp32
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding [vocab, D] (vocab-parallel with tp_size 1)."""
+    """Token embedding [vocab, D] (vocab-parallel with tp_size 1), times `scale` if given (Gemma: sqrt(D), the
+    factor rounded to the model dtype first, as HF's normalizer)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
         super().__init__()
+        self.scale = scale
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [T] -> [T, D]
-        return F.embedding(ids, self.weight)
+        x = F.embedding(ids, self.weight)
+        if self.scale is None:
+            return x
+        return x * torch.tensor(self.scale, dtype=x.dtype).item()  # a host scalar: no device work to set it up
 
 
 class LMHead(nn.Module):
-    """Logits = h @ W^T with W: [vocab, D]; may share its weight with the embedding."""
+    """Logits = h @ W^T with W: [vocab, D]; may share its weight with the embedding. `softcap`: logits become
+    softcap * tanh(logits / softcap), in the model dtype as HF computes them (Gemma 2)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, softcap: float | None = None):
         super().__init__()
+        self.softcap = softcap
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: [N, D] -> [N, vocab] in fp32
-        return F.linear(h, self.weight).float()
+        logits = F.linear(h, self.weight)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.float()

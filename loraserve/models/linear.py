@@ -3,7 +3,8 @@
 Each layer has a `weight_loader(param, loaded, shard)` that copies one
 checkpoint tensor into its place: a packed layer (q/k/v, gate/up) holds several
 checkpoint tensors as consecutive output ranges (slices), `shard` being the
-slice's index. With tp_size > 1 each rank would keep its own slice of the
+slice's index, or one checkpoint tensor holding them all (`shard` None: Phi-3's
+qkv_proj and gate_up_proj). With tp_size > 1 each rank would keep its own slice of the
 output (column) or input (row) dimension; the loaders already take that slice,
 so sharding is a small step later.
 
@@ -100,7 +101,15 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
         self.slice_offsets: tuple[int, ...] = tuple(offsets)
 
     def weight_loader(self, param, loaded, shard=None):
-        if shard is None or not 0 <= shard < len(self.output_sizes):
+        if shard is None:  # the checkpoint packs the slices too: load each from its rows
+            full_sizes = [size * self.tp_size for size in self.output_sizes]
+            if loaded.shape[0] != sum(full_sizes):
+                raise ValueError(f"packed checkpoint tensor has {loaded.shape[0]} rows, expected {sum(full_sizes)} "
+                                 f"(slices of {full_sizes})")
+            for i, part in enumerate(loaded.split(full_sizes, dim=0)):
+                self.weight_loader(param, part, i)
+            return
+        if not 0 <= shard < len(self.output_sizes):
             raise ValueError(f"unknown slice {shard!r} of a layer packing {len(self.output_sizes)}")
         start, size = self.slice_offsets[shard], self.output_sizes[shard]
         part = loaded.narrow(0, self.tp_rank * size, size)

@@ -21,7 +21,6 @@ from tqdm import tqdm
 
 from loraserve.errors import ModelLoadError
 from loraserve.models import gguf_loader
-from loraserve.models.llama import attention_window
 from loraserve.models.registry import model_class_for
 from loraserve.models.synthetic import synthetic_config
 
@@ -170,10 +169,6 @@ class ModelSource:
     @property
     def max_position_embeddings(self) -> int:
         return int(getattr(self.hf_config, "max_position_embeddings", 2048))
-
-    @property
-    def sliding_window(self) -> int | None:
-        return attention_window(self.hf_config)
 
     def load(self, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None = None,
              chat_template: str | None = None) -> LoadedModel:

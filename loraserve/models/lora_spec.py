@@ -3,12 +3,17 @@
 A model class names its packed layers in one table, `packed_modules` (packed
 module -> the checkpoint modules of its output slices, in order), which the
 weight loader and LoRA both read; `lora_targets()` lists its LoRA-able linear
-layers and `lora_spec()` their shapes by checkpoint module name.
+layers and `lora_spec()` their shapes by the module names its PEFT adapters
+use. Where the checkpoint itself keeps a packed layer as one module (Phi-3's
+qkv_proj and gate_up_proj: `checkpoint_packed`), its adapters name that module:
+one A for every slice and a B whose rows are the slices' outputs in order, which
+`LoRAModelSpec.split` cuts into the slices' own (A, B) pairs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -17,8 +22,18 @@ class LoRAModelSpec:
     """What the served model offers to LoRA: per target module name its (in_features, out_features)."""
 
     num_layers: int
-    modules: dict[str, tuple[int, int]]  # short name -> (in_features, out_features), e.g. "q_proj": (D, H*hd)
+    modules: dict[str, tuple[int, int]]  # adapter module name -> (in, out), e.g. "q_proj": (D, H*hd)
     model_name: str | None = None  # for the base_model_name_or_path warning
+    # adapter modules that hold several slices of a LoRA layer -> ((slice module, its output rows), ...)
+    packed: dict[str, tuple[tuple[str, int], ...]] = field(default_factory=dict)
+
+    def split(self, module: str, a: torch.Tensor, b: torch.Tensor) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+        """An adapter module's (A [r, in], B [out, r]) as (slice module, A, B rows) per slice of the LoRA layer:
+        itself unless it is packed, else every slice shares A and takes its own rows of B."""
+        if module not in self.packed:
+            return [(module, a, b)]
+        names, rows = zip(*self.packed[module])
+        return [(name, a, part) for name, part in zip(names, b.split(list(rows), dim=0))]
 
 
 @dataclass(frozen=True)
@@ -37,12 +52,19 @@ class LoRATarget:
         return getattr(self.parent, self.attr)
 
 
-def spec_of_targets(targets: list[LoRATarget], num_layers: int) -> LoRAModelSpec:
-    """(in, out) per checkpoint module name, read off the layers (a packed layer's slice offsets)."""
+def spec_of_targets(targets: list[LoRATarget], num_layers: int,
+                    checkpoint_packed: frozenset[str] = frozenset()) -> LoRAModelSpec:
+    """(in, out) per adapter module name, read off the layers (a packed layer's slice offsets); the layers whose
+    attr is in `checkpoint_packed` are one module to adapters."""
     modules: dict[str, tuple[int, int]] = {}
+    packed: dict[str, tuple[tuple[str, int], ...]] = {}
     for target in targets:
         linear = target.linear
         offsets = getattr(linear, "slice_offsets", (0, linear.out_features))
+        if target.attr in checkpoint_packed:
+            modules[target.attr] = (linear.in_features, offsets[-1] - offsets[0])
+            packed[target.attr] = tuple((name, hi - lo) for name, lo, hi in zip(target.slices, offsets, offsets[1:]))
+            continue
         for name, lo, hi in zip(target.slices, offsets, offsets[1:]):
             modules[name] = (linear.in_features, hi - lo)
-    return LoRAModelSpec(num_layers=num_layers, modules=modules)
+    return LoRAModelSpec(num_layers=num_layers, modules=modules, packed=packed)

@@ -98,10 +98,9 @@ def test_max_model_len_above_model_limit(tiny_model_factory):
         LLM(tiny_model_factory("llama"), device="cpu", max_model_len=10**6)
 
 
-def test_mistral_sliding_window_caps_max_model_len(tiny_model_factory):
-    """Sliding-window attention is not implemented: the window bounds max_model_len instead of
-    silently attending past it."""
+def test_a_sliding_window_does_not_bound_max_model_len(tiny_model_factory):
+    """Sliding-window layers attend to their window at any length (tests/models/test_architectures.py): the
+    window no longer caps max_model_len."""
     folder = tiny_model_factory("mistral", sliding_window=64)
-    assert LLM(folder, device="cpu").engine.max_model_len == 64
-    with pytest.raises(ValueError, match="sliding attention window 64"):
-        LLM(folder, device="cpu", max_model_len=128)
+    assert LLM(folder, device="cpu").engine.max_model_len == 512  # the model's max_position_embeddings
+    assert LLM(folder, device="cpu", max_model_len=300).engine.max_model_len == 300

@@ -53,7 +53,7 @@ def setup(seq_lens, num_heads, num_kv_heads, head_dim, dtype, max_blocks, seed):
     return gen, k_cache, v_cache, tables
 
 
-def decode_reference(q, k_cache, v_cache, tables, seq_lens, scale):
+def decode_reference(q, k_cache, v_cache, tables, seq_lens, scale, window=None, softcap=None):
     """Reference per live row; padding rows (seq_len 0) expect zeros."""
     lens = seq_lens.tolist()
     want = torch.zeros_like(q)
@@ -62,7 +62,7 @@ def decode_reference(q, k_cache, v_cache, tables, seq_lens, scale):
         idx = torch.tensor(rows, device=q.device)
         qsl = torch.arange(len(rows) + 1, dtype=torch.int32, device=q.device)
         want[idx] = paged_attention_ref(q[idx], k_cache, v_cache, tables[idx], seq_lens[idx],
-                                        qsl, scale)
+                                        qsl, scale, window, softcap)
     return want
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from model_fixtures import LORA_STD, make_fallback_tokenizer, make_lora_adapters, make_tiny_model
+from model_fixtures import LORA_STD, WINDOW, make_fallback_tokenizer, make_lora_adapters, make_tiny_model
 
 
 def _load(folder):
@@ -23,13 +23,18 @@ def _safetensors(folder):
     return tensors
 
 
+TIED = {"llama3_rope", "qwen3", "gemma2", "gemma3"}
+MODEL_TYPE = {"llama3_rope": "llama", "gemma3": "gemma3_text", "phi3_longrope": "phi3"}
+
+
 def test_each_arch_loads_and_runs(tiny_model_dir, tiny_tokenizer, request):
     arch = request.node.callspec.params["tiny_model_dir"]
     model, tok = _load(tiny_model_dir)
     config = model.config
     assert config.vocab_size == len(tok) == len(tiny_tokenizer)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,
-            config.num_key_value_heads, config.head_dim) == (64, 2, 4, 2, 16)
+            config.num_key_value_heads, head_dim) == (64, 2, 4, 2, 16)
     assert tok.chat_template and tok.eos_token_id == config.eos_token_id
     assert all(p.dtype == torch.float32 for p in model.parameters())
     norm = model.model.layers[0].input_layernorm.weight
@@ -39,17 +44,25 @@ def test_each_arch_loads_and_runs(tiny_model_dir, tiny_tokenizer, request):
         logits = model(ids).logits
     assert torch.isfinite(logits).all() and logits.std().item() > 0.5  # not flat
     attn = model.model.layers[1].self_attn
-    assert config.model_type == {"llama3_rope": "llama"}.get(arch, arch)
+    assert config.model_type == MODEL_TYPE.get(arch, arch)
     if arch == "qwen2":
         assert attn.q_proj.bias.abs().mean() > 0.02 and attn.o_proj.bias is None
+    elif arch.startswith("phi3"):
+        assert attn.qkv_proj.bias is None and not hasattr(attn, "q_proj")  # packed in the checkpoint
     else:
         assert attn.q_proj.bias is None
+    assert config.tie_word_embeddings == (arch in TIED)
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tied == (arch in TIED)
     if arch == "llama3_rope":
-        assert config.rope_parameters["rope_type"] == "llama3" and config.tie_word_embeddings
-        assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+        assert config.rope_parameters["rope_type"] == "llama3"
+    elif arch == "gemma3":  # a rotary setting per layer type
+        assert config.rope_parameters["full_attention"]["rope_type"] == "linear"
+        assert config.layer_types == ["sliding_attention", "full_attention"]
     else:
-        assert config.rope_parameters["rope_type"] == "default" and not config.tie_word_embeddings
-        assert not torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+        assert config.rope_parameters["rope_type"] == "default"
+    window = getattr(config, "sliding_window", None)
+    assert window == (None if arch in ("llama", "llama3_rope", "qwen2") else WINDOW)
 
 
 def test_seeded_and_sharded(tiny_model_factory):
