@@ -13,6 +13,10 @@ from hf_reference import assert_matches_reference, incremental_logprobs, load_hf
 from model_fixtures import LONGROPE_ORIGINAL, WINDOW
 from loraserve import LLM, SamplingParams
 from loraserve.errors import ModelLoadError
+from loraserve.kernels import fused
+from loraserve.kernels.attention import DecodeConfig, PrefillConfig, paged_decode_attention, paged_prefill_attention
+from loraserve.models import attention as model_attention
+from loraserve.models import ops
 from loraserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from loraserve.models.llama import MistralForCausalLM, Qwen2ForCausalLM
 from loraserve.models.loader import build_empty_model, open_model
@@ -49,6 +53,37 @@ def test_prompts_longer_than_the_window_match_hf_alone_mixed_and_chunked(arch, t
         assert in_chunks[i].outputs[0].token_ids == batched[i].outputs[0].token_ids
         assert_matches_reference(in_chunks[i], ref)
     assert [o.outputs[0].token_ids for o in batched[:3]] == [o.outputs[0].token_ids for o in alone]
+
+
+def _triton_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, window, softcap):
+    """The CUDA path's attention kernels in place of the torch one (same arguments): decode for one query per
+    sequence, prefill otherwise; small tiles, two decode splits."""
+    out = torch.empty_like(q)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    if bool((q_lens == 1).all()):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, out,
+                               DecodeConfig(num_splits=2, block_n=16), window, softcap)
+    else:
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, int(q_lens.max()),
+                                scale, out, PrefillConfig(block_m=16, block_n=16), window, softcap)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_the_triton_kernels_in_each_decoder_match_hf(arch, tiny_model_factory, monkeypatch):
+    """The kernels the CUDA path launches (Triton's interpreter here: fused norms, rotary with q/k norms, the
+    activations, windowed and soft-capped paged attention), wired into the decoder as on CUDA, give HF's
+    logprobs within 1e-4 on a prompt longer than the window and a short one."""
+    folder = tiny_model_factory(arch)
+    llm = LLM(folder, device="cpu", max_model_len=64)
+    for name in ("rms_norm", "rotary_and_cache", "silu_and_mul", "gelu_tanh_and_mul"):
+        monkeypatch.setattr(ops, f"{name}_ref", getattr(fused, name))
+    monkeypatch.setattr(model_attention, "paged_attention_ref", _triton_attention)
+    hf = load_hf_model(folder)
+    prompts = _prompts([WINDOW + 10, 9], hf.config.vocab_size, seed=4)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params)):
+        assert_matches_reference(out, teacher_forced_logprobs(hf, prompt, out.outputs[0].token_ids))
 
 
 def test_phi3_longrope_matches_hf_generation_past_the_original_length(tiny_model_factory):
