@@ -113,3 +113,16 @@ def test_adapter_tensors_for_modules_the_architecture_lacks_are_refused(tiny_mod
     llm = LLM(tiny_model_factory("phi3"), device="cpu", max_model_len=64, enable_lora=True, max_lora_rank=8)
     with pytest.raises(LoRAAdapterError, match="q_proj.*qkv_proj|qkv_proj.*q_proj"):
         llm.generate({"prompt_token_ids": [4, 5, 6]}, GREEDY, LoRARequest("llama-names", str(target)))
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma3"])
+def test_default_random_adapters_cover_every_lora_layer(arch, tiny_model_factory):
+    """The start-up graph check's probe adapters (lora.synthetic.random_adapter with its default targets) have a
+    rank in every LoRA layer and every slice of the architecture, Phi-3's packed ones included."""
+    from loraserve.lora.synthetic import random_adapter
+
+    llm = LLM(tiny_model_factory(arch), device="cpu", max_model_len=64, enable_lora=True, max_lora_rank=8)
+    runtime = llm.engine.lora_manager.runtime
+    adapter = random_adapter(runtime.spec, "probe", 8)
+    assert torch.all(runtime.pack(adapter).ranks == 8)
+    assert {(i, s) for i, layer in runtime.layers for s in layer.slice_names} == set(adapter.weights)
