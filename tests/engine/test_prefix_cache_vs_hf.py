@@ -104,4 +104,4 @@ def test_prefix_caching_flags(flags, expected):
     add_engine_flags(parser)
     args = engine_args(parser.parse_args(flags), enable_lora=False)
     assert args.enable_prefix_caching is expected
-    assert args.create_config(512, None).cache.enable_prefix_caching is expected
+    assert args.create_config(512).cache.enable_prefix_caching is expected
