@@ -118,8 +118,13 @@ class LoRAConfig:
     max_cpu_loras: int | None = None  # and at most this many of them (vLLM's flag); None: the bytes alone decide
     max_wait_steps: int = 32  # steps a request waits for its adapter before room is made for it
     lora_root: str | None = None  # a folder of adapters served by name on first request
+    # who reads adapter folders: "process" (a reader process, off the engine's interpreter), "thread" (a thread
+    # of the engine's process) or "auto" (the process on CUDA where it can run, else the thread; lora/reader.py)
+    lora_reader: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.lora_reader not in ("auto", "process", "thread"):
+            raise ValueError(f"lora_reader must be auto, process or thread, got {self.lora_reader!r}")
         if self.max_wait_steps < 1:
             raise ValueError(f"max_wait_steps must be at least 1, got {self.max_wait_steps}")
         if self.max_loras < 1:
@@ -174,6 +179,7 @@ class EngineArgs:
     max_cpu_lora_memory: float = 8.0
     max_cpu_loras: int | None = None
     lora_root: str | None = None
+    lora_reader: str = "auto"
 
     def check(self) -> None:
         """Validate what does not depend on the model (before anything is read from disk)."""
@@ -213,4 +219,4 @@ class EngineArgs:
             return None
         max_loras = self.max_loras if self.max_loras is not None else min(self.max_num_seqs, MAX_LORAS_PER_STEP)
         return LoRAConfig(max_loras, self.max_lora_rank, self.lora_gpu_memory, self.max_cpu_lora_memory,
-                          self.max_cpu_loras, lora_root=self.lora_root)
+                          self.max_cpu_loras, lora_root=self.lora_root, lora_reader=self.lora_reader)

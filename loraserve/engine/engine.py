@@ -29,7 +29,7 @@ from loraserve.lora.runtime import KVRoom, LoRARuntime
 from loraserve.models.loader import LoadedModel, open_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
-from loraserve.sequence import SchedulerOutput, Sequence
+from loraserve.sequence import SchedulerOutput, Sequence, SequenceStatus
 from loraserve.worker.model_runner import LaunchedStep, ModelRunner, kv_cache_need
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class LLMEngine:
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
+        self._lora_waits: dict[str, list[Sequence]] = {}  # adapter read in the background -> requests for it
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -93,6 +94,11 @@ class LLMEngine:
             raise InvalidRequestError(f"LoRA adapter {lora_request.name!r} has no path")
         self.lora_manager.register(lora_request.name, lora_request.path, pinned, loaded)
 
+    def close(self) -> None:
+        """Stop the adapter reader (its process and thread); the engine can't read adapters afterwards."""
+        if self.lora_manager is not None:
+            self.lora_manager.close()
+
     def remove_lora(self, name: str) -> None:
         self._require_lora("remove_lora")
         self.lora_manager.unregister(name)
@@ -110,6 +116,9 @@ class LLMEngine:
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
+        """Queue a request. An adapter it names that is not registered (its path, or its folder under the lora
+        root) is read in the background: the request waits for it, and fails with its error (in the request's
+        output) if it can't be read; a name that is unknown or leads out of the root raises here."""
         params = sampling_params or SamplingParams()
         if params.n != 1:
             raise InvalidRequestError(f"n={params.n}: the engine takes one completion per request (LLM.generate and "
@@ -120,21 +129,40 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len} "
                                      "(the prompt and at least one generated token must fit)")
-        lora_name = None
-        if lora_request is not None:
-            self._require_lora(f"request {request_id!r} asks for LoRA adapter {lora_request.name!r}, which")
-            if lora_request.name not in self.lora_manager.paths:
-                path = lora_request.path if lora_request.path is not None else self.lora_root_path(lora_request.name)
-                if path is None:
-                    raise UnknownLoRAError(f"LoRA adapter {lora_request.name!r} is not loaded")
-                self.lora_manager.register(lora_request.name, path)
-            self.lora_manager.acquire(lora_request.name)
-            lora_name = lora_request.name
-        seq = Sequence(request_id, text, ids, params, next(self._arrivals), lora_name,
+        seq = Sequence(request_id, text, ids, params, next(self._arrivals), None,
                        logprobs=[] if params.logprobs is not None else None,
                        prompt_logprobs=[None] * len(ids) if params.prompt_logprobs is not None else None)
+        if lora_request is not None:
+            self._require_lora(f"request {request_id!r} asks for LoRA adapter {lora_request.name!r}, which")
+            seq.lora_name = name = lora_request.name
+            if name not in self.lora_manager.paths:  # read in the background; the request waits for it
+                if name not in self._lora_waits:
+                    path = lora_request.path if lora_request.path is not None else self.lora_root_path(name)
+                    if path is None:
+                        raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded")
+                    self.lora_manager.start_register(name, path)
+                self._lora_waits.setdefault(name, []).append(seq)
+                self._requests[request_id] = seq
+                return
+            self.lora_manager.acquire(name)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
+
+    def _admit_lora_waits(self) -> list[RequestOutput]:
+        """Requests whose adapter was read in the background: into the queue once it is registered, failed
+        with its error when it could not be (returned). Waits briefly for a read when nothing else can run."""
+        idle = not self.scheduler.has_unfinished() and self._in_flight is None
+        outputs = []
+        for name, error in self.lora_manager.collect_registrations(wait=0.01 if idle else 0.0):
+            for seq in self._lora_waits.pop(name, []):
+                if error is None:
+                    self.lora_manager.acquire(name)
+                    self.scheduler.add(seq)
+                    continue
+                seq.error, seq.status, seq.finish_reason = str(error), SequenceStatus.FINISHED, "abort"
+                outputs.append(self._make_output(seq))
+                del self._requests[seq.request_id]
+        return outputs
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -154,12 +182,17 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
-        if seq is not None and not seq.is_finished:
+        waiting = self._lora_waits.get(seq.lora_name, []) if seq is not None else []
+        if seq in waiting:  # its adapter is still being read (the read goes on and registers it)
+            waiting.remove(seq)
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            del self._requests[request_id]
+        elif seq is not None and not seq.is_finished:
             self._finish(seq, "abort")
             del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._lora_waits)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.num_pending_tokens = 0  # a token still in flight for it is dropped when it arrives
@@ -172,8 +205,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then return the outputs of the step launched before it (with
         async_scheduling) or of this one (without)."""
+        admitted = self._admit_lora_waits() if self._lora_waits else []
         in_flight, self._in_flight = self._in_flight, None
-        outputs = self._launch(self.scheduler.schedule(), in_flight)
+        outputs = admitted + self._launch(self.scheduler.schedule(), in_flight)
         if in_flight is not None:
             outputs += self._read(in_flight)
         if not self.config.async_scheduling and self._in_flight is not None:

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible server"))
     bench = sub.add_parser("bench", help="benchmarks (see benchmarks/)")
     bench.add_argument("which", choices=["decode", "throughput", "lora", "lora-kernels", "many-adapters",
-                                         "cold-start", "cpu-prefill", "prefix-cache"])
+                                         "cold-start", "adapter-reads", "cpu-prefill", "prefix-cache"])
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run_bench(args: argparse.Namespace) -> int:
     script = {"decode": "decode.py", "throughput": "throughput.py", "lora": "lora_decode.py",
               "lora-kernels": "lora_kernels.py", "many-adapters": "many_adapters.py",
-              "cold-start": "cold_start.py", "cpu-prefill": "cpu_prefill.py",
+              "cold-start": "cold_start.py", "adapter-reads": "adapter_reads.py", "cpu-prefill": "cpu_prefill.py",
               "prefix-cache": "prefix_cache.py"}[args.which]
     path = Path(__file__).resolve().parents[2] / "benchmarks" / script
     if not path.is_file():

@@ -63,6 +63,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="GiB of host memory caching adapters, least recently used out")
     parser.add_argument("--max-cpu-loras", type=int, default=_DEFAULTS.max_cpu_loras,
                         help="most adapters cached in host memory (default: as many as fit in the bytes)")
+    parser.add_argument("--lora-reader", choices=("auto", "process", "thread"), default=_DEFAULTS.lora_reader,
+                        help="who reads, checks and packs adapter folders: a reader process (off the engine's "
+                             "interpreter), a thread of the engine's process, or auto: the process on CUDA")
 
 
 def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
@@ -75,4 +78,4 @@ def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
                       enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                       enable_lora=enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       lora_gpu_memory=args.lora_gpu_memory, max_cpu_lora_memory=args.max_cpu_lora_memory,
-                      max_cpu_loras=args.max_cpu_loras)
+                      max_cpu_loras=args.max_cpu_loras, lora_reader=args.lora_reader)

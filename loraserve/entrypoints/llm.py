@@ -52,6 +52,7 @@ class LLM:
         loras = _per_prompt(lora_request, n, "lora_request")
         ids = [f"gen-{next(self._ids)}" for _ in range(n)]
         choices = {rid: [f"{rid}-{i}" for i in range(p.n)] if p.n > 1 else [rid] for rid, p in zip(ids, params)}
+        self._register_new_loras(loras)
         added = []
         try:
             for rid, prompt, p, lora in zip(ids, prompts, params, loras):
@@ -88,6 +89,17 @@ class LLM:
 
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
+
+    def _register_new_loras(self, loras: list[LoRARequest | None]) -> None:
+        """Register the adapters named that are not registered yet (from their path or the lora root) before any
+        request is added: a broken one raises LoRAAdapterError here, as add_lora does. (The engine alone would
+        read them in the background and fail their requests instead, which suits a loop that keeps stepping.)"""
+        for lora in dict.fromkeys(lora for lora in loras if lora is not None):
+            if lora.name in self.engine.list_loras():
+                continue
+            path = lora.path if lora.path is not None else self.engine.lora_root_path(lora.name)
+            if path is not None:
+                self.engine.add_lora(LoRARequest(lora.name, path))
 
     def _run(self, ids: list[str], choices: dict[str, list[str]], use_tqdm: bool) -> list[RequestOutput]:
         """Step until every request's choices finished; one RequestOutput per request, its completions in

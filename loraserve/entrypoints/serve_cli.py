@@ -116,6 +116,7 @@ def run_server(args: argparse.Namespace) -> None:
         server.run()
     finally:
         async_engine.shutdown(drain=True)
+        engine.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         logger.info("server and engine stopped")

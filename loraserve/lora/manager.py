@@ -8,11 +8,16 @@
 - GPU pool (lora/pool.py): an adapter a step needs is loaded into free pages, evicting the least recently
   used adapters with no request in flight, never a pinned one. Loads are copies on the runtime's load
   stream; the first step that uses an adapter waits for its copy on the device, never on the host.
-- load-ahead (`prefetch`): the adapters of waiting requests are read from disk on a worker thread and
+- reading (lora/reader.py): adapter folders are read, checked and packed by the reader, in a reader process
+  on CUDA (the engine's interpreter stays free for the steps), called from a worker thread here or from the
+  caller's thread (`load`). `close()` stops both.
+- load-ahead (`prefetch`): the adapters of waiting requests are read from disk on the worker thread and
   copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
   running or waiting request needs.
 - identity (`identity`): a number given to each registration and each read of an adapter's weights, never
   the name; the prefix cache keys K/V blocks by it, so weights that may differ never share cached blocks.
+- registration in the background (`start_register`, `collect_registrations`): a folder read on the worker
+  thread and registered when its read is done, for callers that must not wait for it.
 - refcounts: requests in flight per adapter. An unregistered adapter refuses new requests; its in-flight
   requests finish with the weights already loaded.
 """
@@ -22,6 +27,7 @@ import itertools
 import logging
 import time
 from collections import Counter, OrderedDict, deque
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -29,23 +35,15 @@ import torch
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import InvalidRequestError, LoRAConflictError, UnknownLoRAError
-from loraserve.lora.adapter import LoRAAdapter, LoRAAdapterError, load_lora_adapter
+from loraserve.lora.adapter import LoRAAdapter, LoRAAdapterError
 from loraserve.lora.pool import PackedAdapter
+from loraserve.lora.reader import LoadedAdapter, ReaderSetup, make_reader
 from loraserve.lora.runtime import LoRARuntime
 
 logger = logging.getLogger(__name__)
 
 IN_MEMORY = "<in memory>"  # the path shown for adapters registered as objects
 LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
-
-
-@dataclass
-class LoadedAdapter:
-    """An adapter read, validated and packed on the host; made by LoRAManager.load on any thread."""
-
-    packed: PackedAdapter
-    rank: int
-    seconds: float
 
 
 @dataclass
@@ -84,7 +82,11 @@ class LoRAManager:
         self._copying: dict[int, torch.cuda.Event] = {}  # adapter id -> its load's event, until a step waits on it
         self._retired: dict[str, _Registered] = {}  # unregistered while requests were in flight
         self._reading: dict[str, Future] = {}  # disk reads on the worker thread
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+        self._registering: dict[str, tuple[str, Future]] = {}  # name -> (path, its read): start_register
+        self._reader = make_reader(self.config.lora_reader,
+                                   ReaderSetup(runtime.spec, self.config.max_lora_rank, runtime.packer),
+                                   runtime.pins_host_memory)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self.num_loads = 0  # adapters read from disk (or packed) since start
         self.num_gpu_loads = 0
         self.num_gpu_evictions = 0
@@ -296,11 +298,9 @@ class LoRAManager:
 
     # -- the host cache -----------------------------------------------------------------
     def load(self, name: str, path: str) -> LoadedAdapter:
-        """Read, validate and pack an adapter (pinned on CUDA). Touches no manager state: any thread."""
-        start = time.perf_counter()
-        adapter = load_lora_adapter(name, path, self.runtime.spec, self.config.max_lora_rank)
-        packed = self.runtime.pack(adapter)
-        return LoadedAdapter(packed, adapter.max_rank, time.perf_counter() - start)
+        """Read, validate and pack an adapter (pinned on CUDA) with the reader. Touches no manager state: any
+        thread."""
+        return self._reader.read(name, path)
 
     def _read(self, name: str, entry: _Registered) -> LoadedAdapter:
         if entry.source is not None:
@@ -311,7 +311,7 @@ class LoRAManager:
 
     def _start_read(self, name: str) -> None:
         if name not in self._reading:
-            self._reading[name] = self._reader.submit(self._read, name, self._entry(name))
+            self._reading[name] = self._worker.submit(self._read, name, self._entry(name))
 
     def _collect_reads(self) -> None:
         """Move finished worker-thread reads into the host cache (a failed one is read again when needed,
@@ -364,7 +364,48 @@ class LoRAManager:
             entry.counters.queue_seconds += seconds
             entry.counters.requests_started += 1
 
+    # -- registration in the background -------------------------------------------------
+    def start_register(self, name: str, path: str) -> None:
+        """Read `path` on the worker thread; `collect_registrations` registers it once read. Nothing is read
+        twice: a name already being registered in the background is left as it is."""
+        if name not in self._registering:
+            self._registering[name] = (path, self._worker.submit(self.load, name, path))
+
+    @property
+    def registering(self) -> frozenset[str]:
+        """The names being read for `start_register`."""
+        return frozenset(self._registering)
+
+    def collect_registrations(self, wait: float = 0.0) -> list[tuple[str, Exception | None]]:
+        """Register the adapters whose background reads are done (waiting up to `wait` seconds for one when
+        none is); returns (name, None) for each registered and (name, error) for each that could not be."""
+        if wait > 0 and self._registering and not any(f.done() for _, f in self._registering.values()):
+            futures.wait([f for _, f in self._registering.values()], wait, futures.FIRST_COMPLETED)
+        done = []
+        for name in [n for n, (_, f) in self._registering.items() if f.done()]:
+            path, future = self._registering.pop(name)
+            try:
+                self.register(name, path, loaded=future.result())
+            except Exception as exc:  # noqa: BLE001 (the error goes to the requests that wait for the adapter)
+                if not isinstance(exc, ValueError):  # not LoRAAdapterError, LoRAConflictError, ...: unexpected
+                    logger.error("LoRA adapter %r could not be registered", name, exc_info=exc)
+                done.append((name, exc))
+            else:
+                done.append((name, None))
+        return done
+
+    def close(self) -> None:
+        """Stop the worker thread (reads not started are dropped) and the reader; nothing is read after."""
+        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._reader.close()
+        self._worker.shutdown(wait=True)
+
     # -- introspection ----------------------------------------------------------
+    @property
+    def reader(self):
+        """The adapter reader (lora/reader.py: ThreadReader or ProcessReader)."""
+        return self._reader
+
     @property
     def resident_on_gpu(self) -> list[str]:
         return list(self._gpu)

@@ -6,8 +6,9 @@ r takes cdiv(r, PAGE_RANK) pages, wherever they are free, so it occupies memory
 for its own rank, not for max_lora_rank. Inside a page the layers are ordered
 by module (every layer's q/k/v, then every o, gate/up, down: `PageLayout`), so
 an adapter that targets only some modules fills one contiguous span of each
-of its pages: its host copy (`PackedAdapter`) holds only that span, and loading
-it costs one host-to-device copy per page.
+of its pages: its host copy (`PackedAdapter`, laid out by `AdapterPacker` in
+any thread or process) holds only that span, and loading it costs one
+host-to-device copy per page.
 
 Adapter ids are the rows of the page table ([A, max_pages] int32, A = P) and of
 the per-layer rank table ([layers, A] int32); the LoRA layers read views of
@@ -24,6 +25,7 @@ import torch
 
 from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK
+from loraserve.lora.adapter import LoRAAdapter
 
 ALIGN = 64  # elements: every layer's region in a page starts on a 128-byte boundary (bf16)
 
@@ -100,6 +102,66 @@ class PackedAdapter:
         return self.data.numel() * self.data.element_size()
 
 
+@dataclass(frozen=True)
+class AdapterPacker:
+    """The host side of the pool: an adapter's weights in page layout (`PackedAdapter`). It holds no device state
+    and pickles, so it packs in any thread or process (lora/reader.py packs in a reader process)."""
+
+    layout: PageLayout
+    layers: tuple[tuple[int, tuple[str, ...]], ...]  # per LoRA layer (layout order): decoder layer index, slice modules
+    dtype: torch.dtype
+
+    def _plan(self, adapter: LoRAAdapter):
+        """Per layer, per slice (A [r, in], B [out_s, r]) or None; the targeted layers; the adapter's rank per
+        layer ([layers] int32, 0: not targeted); where its span starts in a page; (pages, width) of its data."""
+        weights = [[adapter.weights.get((layer_index, m)) for m in names] for layer_index, names in self.layers]
+        targeted = [i for i, slices in enumerate(weights) if any(p is not None for p in slices)]
+        if not targeted:
+            raise ValueError("the adapter targets no LoRA layer")
+        ranks = torch.zeros(len(weights), dtype=torch.int32)
+        for i in targeted:
+            ranks[i] = max(a.shape[0] for a, _ in filter(None, weights[i]))
+        regions = self.layout.regions
+        start = min(regions[i].a_offset for i in targeted)
+        shape = (cdiv(int(ranks.max()), PAGE_RANK), max(regions[i].end for i in targeted) - start)
+        return weights, targeted, ranks, start, shape
+
+    def shape_of(self, adapter: LoRAAdapter) -> tuple[int, int]:
+        """(pages, width) of the adapter's packed data."""
+        return self._plan(adapter)[-1]
+
+    def pack(self, adapter: LoRAAdapter, data: torch.Tensor | None = None, pin: bool = False) -> PackedAdapter:
+        """The adapter in page layout, written into `data` (zeros of self.dtype, shape_of(adapter)) when given,
+        else into new host memory (pinned with `pin`). Weights are cast to self.dtype as they are copied."""
+        weights, targeted, ranks, start, shape = self._plan(adapter)
+        if data is None:
+            data = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)  # [pages, width]
+        elif tuple(data.shape) != shape or data.dtype != self.dtype:
+            raise ValueError(f"packing needs a {shape} {self.dtype} buffer, got {tuple(data.shape)} {data.dtype}")
+        regions = self.layout.regions
+        num_pages = shape[0]
+        for i in targeted:
+            r = regions[i]
+            a_pages = data[:, r.a_offset - start:r.b_offset - start][:, :r.num_slices * PAGE_RANK * r.in_features]
+            a_pages = a_pages.view(num_pages, r.num_slices, PAGE_RANK, r.in_features)
+            b_pages = data[:, r.b_offset - start:r.end - start].view(num_pages, PAGE_RANK, r.out_features)
+            for s, pair in enumerate(weights[i]):
+                if pair is None:
+                    continue
+                a, b = pair  # a: [rank, in], b: [out_s, rank]
+                lo, hi = r.slice_offsets[s], r.slice_offsets[s + 1]
+                full = a.shape[0] // PAGE_RANK  # whole pages in one copy each for A and B, then the rest
+                if full:
+                    rows = full * PAGE_RANK
+                    a_pages[:full, s] = a[:rows].reshape(full, PAGE_RANK, -1)
+                    b_pages[:full, :, lo:hi] = b[:, :rows].T.reshape(full, PAGE_RANK, -1)
+                rest = a.shape[0] - full * PAGE_RANK
+                if rest:
+                    a_pages[full, s, :rest] = a[full * PAGE_RANK:]
+                    b_pages[full, :rest, lo:hi] = b[:, full * PAGE_RANK:].T
+        return PackedAdapter(data, start, ranks.pin_memory() if pin else ranks)
+
+
 class AdapterPool:
     """Device storage for `num_pages` pages, the page table and the rank table; page and id bookkeeping."""
 
@@ -137,41 +199,6 @@ class AdapterPool:
     def layer_views(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lora_a [P, S*PAGE_RANK, in], lora_b [P, PAGE_RANK, N], lora_rank [A]) of layer i."""
         return self.layout.a_view(self.storage, i), self.layout.b_view(self.storage, i), self.ranks[i]
-
-    # -- host side ----------------------------------------------------------------
-    def pack(self, layer_weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]], pin: bool) -> PackedAdapter:
-        """An adapter's weights in page layout: per layer, per slice (A [r, in], B [out_s, r]) or None."""
-        targeted = [i for i, slices in enumerate(layer_weights) if any(p is not None for p in slices)]
-        if not targeted:
-            raise ValueError("the adapter targets no LoRA layer")
-        ranks = torch.zeros(len(layer_weights), dtype=torch.int32)
-        for i in targeted:
-            ranks[i] = max(a.shape[0] for a, _ in filter(None, layer_weights[i]))
-        num_pages = cdiv(int(ranks.max()), PAGE_RANK)
-        regions = self.layout.regions
-        start = min(regions[i].a_offset for i in targeted)
-        width = max(regions[i].end for i in targeted) - start
-        data = torch.zeros(num_pages, width, dtype=self.dtype, pin_memory=pin)  # [pages, width]
-        for i in targeted:
-            r = regions[i]
-            a_pages = data[:, r.a_offset - start:r.b_offset - start][:, :r.num_slices * PAGE_RANK * r.in_features]
-            a_pages = a_pages.view(num_pages, r.num_slices, PAGE_RANK, r.in_features)
-            b_pages = data[:, r.b_offset - start:r.end - start].view(num_pages, PAGE_RANK, r.out_features)
-            for s, pair in enumerate(layer_weights[i]):
-                if pair is None:
-                    continue
-                a, b = pair  # a: [rank, in], b: [out_s, rank]
-                lo, hi = r.slice_offsets[s], r.slice_offsets[s + 1]
-                full = a.shape[0] // PAGE_RANK  # whole pages in one copy each for A and B, then the rest
-                if full:
-                    rows = full * PAGE_RANK
-                    a_pages[:full, s] = a[:rows].reshape(full, PAGE_RANK, -1)
-                    b_pages[:full, :, lo:hi] = b[:, :rows].T.reshape(full, PAGE_RANK, -1)
-                rest = a.shape[0] - full * PAGE_RANK
-                if rest:
-                    a_pages[full, s, :rest] = a[full * PAGE_RANK:]
-                    b_pages[full, :rest, lo:hi] = b[:, full * PAGE_RANK:].T
-        return PackedAdapter(data, start, ranks.pin_memory() if pin else ranks)
 
     # -- pages and ids ------------------------------------------------------------------
     def pages_for(self, rank: int) -> int:

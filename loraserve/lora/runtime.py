@@ -28,7 +28,7 @@ from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.lora.adapter import LoRAAdapter
 from loraserve.lora.layers import FACTORED_LAYERS, GEMM_FIRST_LAYERS, LoRALinear
 from loraserve.lora.metadata import LoRAMetaBuilder
-from loraserve.lora.pool import AdapterPool, PackedAdapter, PageLayout
+from loraserve.lora.pool import AdapterPacker, AdapterPool, PackedAdapter, PageLayout
 from loraserve.lora.side_stream import SIDE_STREAM_MAX_TOKENS, LoRAScratch, LoRASideStream
 from loraserve.models.lora_spec import LoRAModelSpec
 
@@ -87,6 +87,7 @@ class LoRARuntime:
                              for attr, (_, layer) in zip(attrs, self.layers)])
         self.pool = AdapterPool(layout, self._num_pages(layout, kv_room), config.max_lora_rank, self.dtype,
                                 self.device)
+        self.packer = AdapterPacker(layout, tuple((i, layer.slice_names) for i, layer in self.layers), self.dtype)
         for i, (_, layer) in enumerate(self.layers):
             layer.bind_pool(*self.pool.layer_views(i), self.pool.rank_width)
         logger.info("LoRA adapter pool: %.2f GiB, %d pages of %d ranks (%.1f MiB each); it holds %s adapters "
@@ -147,11 +148,12 @@ class LoRARuntime:
     # -- the pool -------------------------------------------------------------------------------
     def pack(self, adapter: LoRAAdapter) -> PackedAdapter:
         """The adapter in page layout in host memory (pinned on CUDA); touches no device state (any thread)."""
-        weights = [[adapter.weights.get((layer_index, m)) for m in layer.slice_names]
-                   for layer_index, layer in self.layers]
-        weights = [[None if p is None else (p[0].to(self.dtype), p[1].to(self.dtype)) for p in slices]
-                   for slices in weights]
-        return self.pool.pack(weights, pin=self.device.type == "cuda")
+        return self.packer.pack(adapter, pin=self.pins_host_memory)
+
+    @property
+    def pins_host_memory(self) -> bool:
+        """Whether adapters' host copies are pinned (CUDA: their copies to the pool overlap the steps)."""
+        return self.device.type == "cuda"
 
     def load(self, packed: PackedAdapter) -> tuple[int, torch.cuda.Event | None]:
         """Copy a packed adapter into free pages (the caller made room); returns its id and, on CUDA, the event

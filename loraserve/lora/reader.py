@@ -1,0 +1,344 @@
+"""Reading adapter folders into packed host memory, off the engine's interpreter where it can.
+
+`read(name, path)` reads a PEFT folder, checks it (lora/adapter.py: every check, with its message) and packs it
+in page layout (lora/pool.py's AdapterPacker); the result, a LoadedAdapter, is ready to copy into the GPU pool.
+Two readers do that, with the same results and the same errors:
+
+- ThreadReader: the calling thread does it all. Most of that work is Python holding the interpreter lock
+  (hundreds of tensors to check and place), which the engine thread then waits for between its own calls.
+- ProcessReader: a reader process does it. It packs into an anonymous shared-memory file (memfd) and hands the
+  file's descriptor back over a socket; this process maps it and, where adapters are pinned (CUDA), copies it
+  into pinned memory in one bulk copy (the interpreter lock is free meanwhile); the copy to the GPU stays with
+  the caller. A LoRAAdapterError comes back as the same error, and the reader's log records are logged here.
+
+The reader process is a plain `python -c` child of this interpreter, never multiprocessing's spawn (which would
+import the user's main script again). It starts with the ProcessReader (in the background: the first read
+waits for it), reads one adapter at a time, and exits when its socket closes: at `close()`, when the reader is
+collected, at exit, or when this process dies. A reader process that dies during a read is started again and
+the read tried once more; one that dies again, can't start, or takes longer than READ_TIMEOUT_S fails that read
+with AdapterReaderError (a LoRAAdapterError naming the adapter), and the next read starts a new one.
+
+`make_reader` picks one: "auto" is the process reader where adapters are pinned (CUDA) and the platform has
+memfd (Linux), else the thread reader (a CPU engine's steps share the cores with the reader either way).
+"""
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
+
+import torch
+
+from loraserve.lora.adapter import LoRAAdapterError, load_lora_adapter
+from loraserve.lora.pool import AdapterPacker, PackedAdapter
+from loraserve.models.lora_spec import LoRAModelSpec
+
+logger = logging.getLogger(__name__)
+
+READER_KINDS = ("auto", "process", "thread")
+READ_TIMEOUT_S = 300.0  # a read that takes longer fails, and its reader process is stopped
+START_TIMEOUT_S = 120.0  # a reader process must be ready (torch imported) within this
+# The reader process works with one torch thread at a lower priority, so that where cores are short it yields them
+# to the engine (on a loaded 2-core machine, two threads at the engine's priority made the engine's steps slower
+# and the reads themselves 5x slower: benchmarks/adapter_reads.py).
+READER_THREADS = 1
+READER_NICENESS = 10
+_POLL_S = 0.5  # how often a waiting read checks that the reader process is alive
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter read, validated and packed on the host."""
+
+    packed: PackedAdapter
+    rank: int
+    seconds: float  # reading, checking and packing it
+
+
+@dataclass(frozen=True)
+class ReaderSetup:
+    """What reading needs besides the folder: the model's LoRA shapes, the rank limit and the page layout."""
+
+    spec: LoRAModelSpec
+    max_lora_rank: int
+    packer: AdapterPacker
+
+
+class AdapterReaderError(LoRAAdapterError):
+    """The reader process failed (died, did not start, timed out) while reading an adapter: the adapter's
+    requests fail, the engine goes on, and the next read starts a new reader process."""
+
+
+class ThreadReader:
+    """Reads on the calling thread (any thread)."""
+
+    def __init__(self, setup: ReaderSetup, pin: bool):
+        self.setup, self.pin = setup, pin
+
+    def read(self, name: str, path: str) -> LoadedAdapter:
+        start = time.perf_counter()
+        adapter = load_lora_adapter(name, path, self.setup.spec, self.setup.max_lora_rank)
+        packed = self.setup.packer.pack(adapter, pin=self.pin)
+        return LoadedAdapter(packed, adapter.max_rank, time.perf_counter() - start)
+
+    def close(self) -> None:
+        pass
+
+
+class _ReaderFailed(Exception):
+    """The reader process died, did not start or timed out (the reason in the message); `retry`: whether a new
+    reader process may try the read again."""
+
+    def __init__(self, message: str, retry: bool = True):
+        super().__init__(message)
+        self.retry = retry
+
+
+class _Child:
+    """One reader process and this side of its socket."""
+
+    def __init__(self, setup: ReaderSetup):
+        ours, theirs = socket.socketpair()
+        # the same loraserve as this process's, found first (a source checkout need not be on PYTHONPATH)
+        code = (f"import sys; sys.path[:0] = [p for p in [{_PACKAGE_ROOT!r}] if p not in sys.path]; "
+                f"from loraserve.lora.reader import serve; serve({theirs.fileno()})")
+        try:
+            # its own session: a Ctrl-C at the terminal reaches the engine, which then closes the socket
+            self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},  # it never uses a GPU
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            ours.close()
+            raise _ReaderFailed(f"the adapter reader process can't be started ({exc})", retry=False) from None
+        finally:
+            theirs.close()
+        self.conn = Connection(ours.detach())
+        self.ready = False
+        try:
+            self.conn.send(setup)
+        except OSError:
+            pass  # it exited already: waiting for it to be ready says how
+
+    def close(self) -> None:
+        """Close the socket (the reader exits when it sees that); kill it if it has not exited a second later."""
+        self.conn.close()
+        try:
+            self.proc.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _close_all(children: list[_Child]) -> None:
+    while children:
+        children.pop().close()
+
+
+class ProcessReader:
+    """Reads in a reader process (see the module docstring); `read` may be called from any thread."""
+
+    def __init__(self, setup: ReaderSetup, pin: bool):
+        self.setup, self.pin = setup, pin
+        self._lock = threading.Lock()  # one read at a time; held while the reader process works
+        self._children: list[_Child] = []  # the live reader process, if any
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._children)
+        try:
+            self._children.append(_Child(setup))  # ready by the first read, in most cases
+        except _ReaderFailed as exc:
+            logger.warning("%s; the first adapter read tries again", exc)
+
+    @property
+    def pid(self) -> int | None:
+        """The reader process's id (None while none runs)."""
+        return self._children[0].proc.pid if self._children else None
+
+    def read(self, name: str, path: str) -> LoadedAdapter:
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    return self._read(name, path)
+                except _ReaderFailed as exc:
+                    _close_all(self._children)
+                    if attempt == 2 or not exc.retry:
+                        raise AdapterReaderError(name, f"can't be read: {exc}") from None
+                    logger.warning("LoRA adapter '%s': %s; reading it again in a new reader process", name, exc)
+        raise AssertionError("unreachable")
+
+    def _child(self) -> _Child:
+        if self._closed:
+            raise _ReaderFailed("the adapter reader is closed", retry=False)
+        if not self._children:
+            self._children.append(_Child(self.setup))
+        child = self._children[0]
+        if not child.ready:
+            reply = self._reply(child, START_TIMEOUT_S, "starting")
+            if reply != ("ready",):
+                raise _ReaderFailed(f"the adapter reader process answered {reply!r} when it started", retry=False)
+            child.ready = True
+        return child
+
+    def _read(self, name: str, path: str) -> LoadedAdapter:
+        child = self._child()
+        try:
+            child.conn.send((name, path))
+        except OSError as exc:
+            raise _ReaderFailed(f"the adapter reader process is gone ({exc})") from None
+        reply = self._reply(child, READ_TIMEOUT_S, "reading it")
+        kind, records = reply[0], reply[-1]
+        for level, logger_name, message in records:
+            logging.getLogger(logger_name).log(level, "%s", message)
+        if kind == "adapter_error":
+            _, adapter, problem, module, _ = reply
+            raise LoRAAdapterError(adapter, problem, module)
+        if kind == "failed":
+            raise AdapterReaderError(name, f"can't be read: the adapter reader failed ({reply[1]})")
+        _, shape, span_start, ranks, rank, seconds, _ = reply
+        try:
+            fd = recv_handle(child.conn)
+        except (EOFError, OSError) as exc:
+            raise _ReaderFailed(f"the adapter reader process died sending its pages ({exc})") from None
+        data = _map_shared(fd, shape, self.setup.packer.dtype)
+        ranks = torch.tensor(ranks, dtype=torch.int32)
+        if self.pin:
+            data = torch.empty(shape, dtype=data.dtype, pin_memory=True).copy_(data)  # one bulk copy
+            ranks = ranks.pin_memory()
+        return LoadedAdapter(PackedAdapter(data, span_start, ranks), rank, seconds)
+
+    @staticmethod
+    def _reply(child: _Child, timeout: float, doing: str):
+        """The reader process's next message; _ReaderFailed when it dies or `timeout` seconds pass first."""
+        deadline = time.monotonic() + timeout
+        while not child.conn.poll(_POLL_S):
+            code = child.proc.poll()
+            if code is not None:
+                raise _ReaderFailed(f"the adapter reader process exited ({_exit_status(code)}) while {doing}")
+            if time.monotonic() > deadline:
+                raise _ReaderFailed(f"the adapter reader process took over {timeout:.0f} s {doing} and was stopped",
+                                    retry=False)
+        try:
+            return child.conn.recv()
+        except (EOFError, OSError):  # its end of the socket closed: it exited, or is about to
+            try:
+                status = _exit_status(child.proc.wait(timeout=5.0))
+            except subprocess.TimeoutExpired:
+                status = "its socket closed"
+            raise _ReaderFailed(f"the adapter reader process exited ({status}) while {doing}") from None
+
+    def close(self) -> None:
+        """Stop the reader process: it exits when its socket closes; a read in progress fails with
+        AdapterReaderError (its reader process is killed first)."""
+        self._closed = True
+        if not self._lock.acquire(blocking=False):
+            for child in list(self._children):
+                child.proc.kill()
+            self._lock.acquire()
+        try:
+            self._finalizer()
+        finally:
+            self._lock.release()
+
+
+def _exit_status(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _map_shared(fd: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """A [pages, width] tensor over the shared-memory file `fd` (mapped; `fd` is closed)."""
+    try:
+        numel = shape[0] * shape[1]
+        mapped = mmap.mmap(fd, numel * torch.empty((), dtype=dtype).element_size())
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mapped, dtype=dtype, count=numel).view(shape)
+
+
+def make_reader(kind: str, setup: ReaderSetup, pin: bool) -> ThreadReader | ProcessReader:
+    """The reader of `kind` (READER_KINDS; see the module docstring for "auto")."""
+    if kind not in READER_KINDS:
+        raise ValueError(f"lora reader must be one of {', '.join(READER_KINDS)}, got {kind!r}")
+    can_fork_reader = hasattr(os, "memfd_create")
+    if kind == "process" and not can_fork_reader:
+        raise ValueError("the process adapter reader needs memfd_create (Linux); use the thread reader")
+    if kind == "process" or (kind == "auto" and pin and can_fork_reader):
+        return ProcessReader(setup, pin)
+    return ThreadReader(setup, pin)
+
+
+# -- the reader process ----------------------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    """Keeps the log records of one read, to be logged again by the engine's process."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[tuple[int, str, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelno, record.name, record.getMessage()))
+
+
+def _shared_zeros(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, torch.Tensor]:
+    """A new anonymous shared-memory file of a [pages, width] tensor (zeros) and the tensor mapped over it."""
+    fd = os.memfd_create("loraserve-adapter", os.MFD_CLOEXEC)
+    numel = shape[0] * shape[1]
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    os.ftruncate(fd, nbytes)  # a new file reads as zeros
+    return fd, torch.frombuffer(mmap.mmap(fd, nbytes), dtype=dtype, count=numel).view(shape)
+
+
+def serve(fd: int) -> None:
+    """The reader process: read the setup from socket `fd`, then answer (name, path) jobs until it closes."""
+    conn = Connection(fd)
+    try:
+        setup: ReaderSetup = conn.recv()
+        torch.set_num_threads(READER_THREADS)
+        os.nice(READER_NICENESS)
+        collected = _Records()
+        package_logger = logging.getLogger("loraserve")
+        package_logger.addHandler(collected)
+        package_logger.setLevel(logging.INFO)
+        package_logger.propagate = False
+        conn.send(("ready",))
+        while True:
+            name, path = conn.recv()
+            collected.records = []
+            _answer(conn, setup, name, path, collected.records)
+    except (EOFError, OSError):  # the engine closed the socket, or is gone
+        return
+
+
+def _answer(conn: Connection, setup: ReaderSetup, name: str, path: str, records: list) -> None:
+    """Read, check and pack one adapter into shared memory and send it (or the error) back."""
+    start = time.perf_counter()
+    shared = None
+    try:
+        adapter = load_lora_adapter(name, path, setup.spec, setup.max_lora_rank)
+        shape = setup.packer.shape_of(adapter)
+        shared, data = _shared_zeros(shape, setup.packer.dtype)
+        packed = setup.packer.pack(adapter, data)
+        reply = ("packed", shape, packed.span_start, packed.ranks.tolist(), adapter.max_rank,
+                 time.perf_counter() - start, records)
+        del adapter, packed, data  # unmapped here: the file stays until the engine's process has it
+    except LoRAAdapterError as exc:
+        reply = ("adapter_error", exc.adapter, exc.problem, exc.module, records)
+    except Exception as exc:  # noqa: BLE001 (any other failure fails this read, not the reader)
+        reply = ("failed", f"{type(exc).__name__}: {exc}", records)
+    try:
+        conn.send(reply)
+        if reply[0] == "packed":
+            send_handle(conn, shared, os.getppid())
+    finally:
+        if shared is not None:
+            os.close(shared)
