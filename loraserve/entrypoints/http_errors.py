@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from loraserve.engine.async_engine import EngineClosedError, EngineStepError, QueueFullError
 from loraserve.entrypoints.openai_protocol import APIError
 from loraserve.errors import LoRAConflictError, PromptTooLongError, UnknownLoRAError
+from loraserve.lora.reader import AdapterReaderError
 from loraserve.lora.resolver import LoRAPathOutsideRootError
 
 
@@ -38,6 +39,8 @@ def api_error_from(exc: BaseException) -> APIError:
         return APIError(503, message, code="queue_full")
     if isinstance(exc, EngineClosedError):
         return APIError(503, message, code="unavailable")
+    if isinstance(exc, AdapterReaderError):  # the server's reader failed, not the request
+        return APIError(500, message, code="adapter_reader_failed")
     if isinstance(exc, ValueError):
         return APIError(400, message)
     return APIError(500, message)

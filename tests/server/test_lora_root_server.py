@@ -1,6 +1,7 @@
 """The server with a lora root, driven by the real `openai` client: a request whose model names a folder
-under the root is served without loading it first; unknown names are 404, names that lead out are 400;
-/v1/models lists the adapter after its first use with its GPU residency."""
+under the root is served without loading it first (read by the reader process); unknown names are 404, names
+that lead out and broken adapters are 400, a failed reader process is 500 and is replaced; /v1/models lists the
+adapter after its first use with its GPU residency."""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,10 @@ from loraserve.config import EngineArgs
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.engine.engine import LLMEngine
 from loraserve.entrypoints.cli import build_parser
+from loraserve.entrypoints.http_errors import api_error_from
 from loraserve.entrypoints.serve_cli import serve_engine_args
 from loraserve.entrypoints.server import ServerSettings
+from loraserve.lora.reader import AdapterReaderError
 
 KEY = "root-key"
 
@@ -29,7 +32,7 @@ def paths(tiny_model_factory, tmp_path_factory):
     base = tmp_path_factory.mktemp("root-server")
     root, outside = base / "loras", base / "outside"
     specs = [{"name": name, "r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}
-             for name in ("sql", "team/chat", "par", "n-choices")]
+             for name in ("sql", "team/chat", "par", "n-choices", "killed")]
     adapters = dict(zip([s["name"] for s in specs], make_lora_adapters(model, root, specs)))
     (evil,) = make_lora_adapters(model, outside, [{"name": "evil", "r": 4, "target_modules": ["q_proj"]}])
     os.symlink(evil, root / "link-out")
@@ -41,11 +44,13 @@ def paths(tiny_model_factory, tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(paths):
     llm = LLMEngine.from_args(EngineArgs(paths["model"], device="cpu", enable_lora=True, max_lora_rank=16,
-                                         max_num_seqs=8, max_model_len=128, lora_root=paths["root"]))
+                                         max_num_seqs=8, max_model_len=128, lora_root=paths["root"],
+                                         lora_reader="process"))
     async_engine = AsyncLLMEngine(llm)
     async_engine.start()
     yield async_engine
     async_engine.shutdown(drain=False)
+    llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +131,16 @@ def test_unknown_names_are_404_and_escapes_are_400(client, paths):
     assert not listed & {"nope", "team/nope", "../outside/evil", "link-out", "broken", paths["evil"]}
     assert status_of(lambda: client.models.retrieve("nope"))[0] == 404
     assert client.completions.create(model="sql", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_killed_reader_process_is_replaced_and_reader_failures_are_500(client, engine):
+    reader = engine._engine.lora_manager.reader
+    old = reader.pid
+    os.kill(old, 9)
+    answer = client.completions.create(model="killed", prompt="Hi", max_tokens=2)  # read by a new reader process
+    assert answer.usage.completion_tokens == 2 and reader.pid not in (None, old)
+    error = api_error_from(AdapterReaderError("x", "can't be read: the adapter reader process exited (exit code 1)"))
+    assert (error.status, error.body()["error"]["code"]) == (500, "adapter_reader_failed")
 
 
 def test_serve_flags_give_the_engine_its_root(tmp_path):
