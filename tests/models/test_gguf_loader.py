@@ -71,6 +71,46 @@ def test_unpermute_inverts_llama_cpp_order():
         gguf_loader._unpermute_rope_rows(torch.zeros(10, 2), 3)
 
 
+TEXTS = ["Hello, world! Serving many LoRA adapters: ümlaut, 数字 123.", "", " ", "  leading and trailing  ",
+         "line one\nline two\r\n\ttabbed", "<|im_start|>user\nHi<|im_end|>", "<|endoftext|>", "1234567890 3.14159",
+         "def f(x):\n    return x**2  # 😀 emoji", "ÄÖÜ ß ç é ñ Ω Ж 日本語 한국어 العربية", "don't won't I'm we'll"]
+
+
+def test_tokenizer_equals_transformers_own(gguf_path, model_file):
+    """The tokenizer built from the metadata already read equals the one transformers builds from the file."""
+    ours, theirs = model_file.tokenizer(), gguf_loader.gguf_tokenizer(gguf_path)
+    assert type(ours) is type(theirs)
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()  # vocab, merges, pre-tokenizer, ...
+    assert ours.special_tokens_map == theirs.special_tokens_map and ours.all_special_ids == theirs.all_special_ids
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder and len(ours) == len(theirs) == 49152
+    assert ours.chat_template == theirs.chat_template and ours.chat_template
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
+        (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    for text in TEXTS:
+        for special in (True, False):
+            assert ours(text, add_special_tokens=special)["input_ids"] == \
+                theirs(text, add_special_tokens=special)["input_ids"], (text, special)
+        ids = theirs.encode(text, add_special_tokens=False)
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip), text
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi 数字"}]
+    assert ours.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+def test_the_tokenizer_does_not_read_the_file_again(gguf_path, tmp_path):
+    """Config, weights' names and tokenizer come from one parse: with the file gone after it, the tokenizer is
+    still built (a second parse would find no file)."""
+    copy = tmp_path / "model.gguf"
+    copy.write_bytes(open(gguf_path, "rb").read())
+    opened = gguf_loader.GGUFModelFile.open(str(copy))
+    copy.unlink()
+    tok = opened.tokenizer()
+    assert len(tok) == 49152 and tok.decode(tok.encode("Hello there")) == "Hello there"
+    with pytest.raises(FileNotFoundError):
+        gguf_loader.gguf_tokenizer(str(copy))
+
+
 def test_tokenizer_round_trip_and_chat_template(gguf_path, model_file):
     tok = gguf_loader.load_gguf_tokenizer(gguf_path)
     fields = model_file.reader.fields  # read with gguf's own API, not the loader's helper
