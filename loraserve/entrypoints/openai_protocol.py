@@ -5,12 +5,13 @@ and by SamplingParams and answered with HTTP 400 naming the parameter.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from loraserve.outputs import CompletionOutput
+from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
 
 MAX_N = 128
@@ -36,8 +37,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": err_type, "param": self.param, "code": self.code}}
 
 
-# OpenAI fields loraserve does not implement, accepted only with the value that changes nothing.
-_NEUTRAL_ONLY = MappingProxyType({"best_of": 1, "echo": False, "suffix": None})
+# OpenAI and vLLM fields loraserve does not implement, accepted only with the value that changes nothing.
+_NEUTRAL_ONLY = MappingProxyType({"best_of": 1, "suffix": None, "use_beam_search": False, "length_penalty": 1.0,
+                                  "spaces_between_special_tokens": True})
 
 
 class _Body(BaseModel):
@@ -54,7 +56,11 @@ class _Body(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """`stream_options`: a last chunk with the usage; with continuous_usage_stats (vLLM's), usage in every chunk."""
+
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Body):
@@ -79,12 +85,19 @@ class _SamplingFields(_Body):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None  # per prompt token its logprob and the top k (not with stream=true)
+    response_format: dict | None = None  # only {"type": "text"}: there is no structured output
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def make_sampling_params(self, max_tokens: int, logprobs: int | None) -> Callable[[int], SamplingParams]:
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def make_sampling_params(self, max_tokens: int, logprobs: int | None,
+                             prompt_logprobs: int | None = None) -> Callable[[int], SamplingParams]:
         """Check the values; return a factory of the SamplingParams of choice i (seed + i)."""
         self.check_unknown_fields()
         if not 1 <= self.n <= MAX_N:
@@ -93,6 +106,11 @@ class _SamplingFields(_Body):
             raise APIError(400, f"temperature must be in [0, 2], got {self.temperature}", param="temperature")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError(400, "prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+        if self.response_format not in (None, {"type": "text"}):
+            raise APIError(400, f"response_format {self.response_format!r} is not supported: there is no structured "
+                                "output (JSON mode, JSON schema); only {'type': 'text'}", param="response_format")
         try:
             logit_bias = {int(token): bias for token, bias in (self.logit_bias or {}).items()}
         except ValueError:
@@ -109,6 +127,7 @@ class _SamplingFields(_Body):
                 seed=None if self.seed is None else self.seed + i,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
                 min_tokens=self.min_tokens, logit_bias=logit_bias, logprobs=logprobs,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output)
 
@@ -121,11 +140,25 @@ class _SamplingFields(_Body):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions."""
+    """POST /v1/completions. `echo`: each choice starts with its prompt (and, with logprobs, the prompt tokens'
+    logprobs, the first null); with max_tokens 0 the prompt alone (scoring)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
+    echo: bool = False
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt is scored, nothing is generated (the engine makes one token,
+        which is not returned)."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self) -> Callable[[int], SamplingParams]:
+        """make_sampling_params for this request; echo with logprobs scores the prompt too (as vLLM does)."""
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo and self.prompt_logprobs is None else None
+        return self.make_sampling_params(1 if self.echo_only else max_tokens, self.logprobs, prompt_logprobs)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -149,11 +182,16 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
+    model_config = ConfigDict(extra="allow")  # a message sent back as the client got it has more (null) fields
+
     def as_template_message(self) -> dict[str, str]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -161,6 +199,9 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
     if not messages:
         raise APIError(400, "messages must not be empty", param="messages")
     for i, message in enumerate(messages):
+        for field in ("tool_calls", "function_call"):
+            if (message.model_extra or {}).get(field):
+                raise APIError(400, f"messages[{i}].{field}: tool calls are not supported", param=f"messages.{i}")
         for part in message.content if isinstance(message.content, list) else ():
             if part.type != "text" or part.text is None:
                 raise APIError(400, f"messages[{i}].content: {part.type!r} parts are not supported; this model "
@@ -176,10 +217,13 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False  # vLLM's; not implemented for chat
 
     def check_messages(self) -> list[dict[str, str]]:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.echo:
+            raise APIError(400, "echo is not supported on chat completions", param="echo")
         return template_messages(self.messages)
 
     @property
@@ -227,15 +271,25 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def completion_logprobs(out: CompletionOutput, start: int, k: int, token_text: Callable[[int], str],
-                        text_offset: int) -> dict:
-    """The `logprobs` object of /v1/completions for generated tokens [start:]."""
+def _finite(logprob: float) -> float:
+    """JSON has no -inf: OpenAI and vLLM send -9999.0 for it."""
+    return max(logprob, -9999.0)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict[int, float] | None], k: int,
+                        token_text: Callable[[int], str], text_offset: int) -> dict:
+    """The `logprobs` object of /v1/completions for these tokens; entries: each token's logprobs (its own and
+    the top ones), None where there are none (an echoed prompt's first token)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for tid, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+    for tid, entry in zip(token_ids, entries):
         piece = token_text(tid)
         tokens.append(piece)
-        token_logprobs.append(entry.get(tid))
-        top.append({token_text(t): lp for t, lp in _top(entry, k)})
+        if entry is None:
+            token_logprobs.append(None)
+            top.append(None)
+        else:
+            token_logprobs.append(_finite(entry[tid]) if tid in entry else None)
+            top.append({token_text(t): _finite(lp) for t, lp in _top(entry, k)})
         offsets.append(text_offset)
         text_offset += len(piece)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -245,12 +299,28 @@ def chat_logprobs(out: CompletionOutput, start: int, k: int, token_text: Callabl
     """The `logprobs` object of /v1/chat/completions for generated tokens [start:]."""
     def item(tid: int, lp: float | None) -> dict:
         piece = token_text(tid)
-        return {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
+        return {"token": piece, "logprob": None if lp is None else _finite(lp), "bytes": list(piece.encode("utf-8"))}
 
     content = []
     for tid, entry in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
         content.append({**item(tid, entry.get(tid)), "top_logprobs": [item(t, lp) for t, lp in _top(entry, k)]})
     return {"content": content}
+
+
+def prompt_logprobs_json(entries: list[dict[int, float] | None], k: int,
+                         token_text: Callable[[int], str]) -> list[dict[str, dict] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (null for the first) token id -> {logprob, rank, decoded_token}
+    for the token itself and the k most likely; rank counts from 1 among those k, null for the prompt's own token
+    when it is not among them."""
+    result = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda kv: -kv[1])
+        result.append({str(tid): {"logprob": _finite(lp), "rank": i + 1 if i < k else None,
+                                  "decoded_token": token_text(tid)} for i, (tid, lp) in enumerate(ranked)})
+    return result
 
 
 def streamable_length(text: str, stop_strings: list[str], finished: bool) -> int:
@@ -266,43 +336,86 @@ def streamable_length(text: str, stop_strings: list[str], finished: bool) -> int
     return len(text) - held
 
 
+@dataclass
+class _Choice:
+    """What one choice shows: its text, tokens and their logprob entries, echoed prompt first; `fixed`: the
+    length of the echoed prompt's text (sent at once, never held back for a stop string)."""
+
+    text: str
+    token_ids: list[int]
+    entries: list[dict[int, float] | None]
+    fixed: int
+
+
 class ResponseBuilder:
     """Turns the engine outputs of one API call into OpenAI chunks or a full response.
 
     Choice i answers prompt i // n. Streaming sends each choice's new text
     (holding back a tail that may begin a stop string) and new logprobs.
+    Completions with `echo` show the prompt (text, tokens, logprobs) before the
+    generated part, or alone with `echo_only`. `num_prompt_logprobs` (not
+    streamed): the prompt logprobs are reported, in each completion choice or
+    at the top of a chat response, as vLLM does. `continuous_usage`: every
+    streamed chunk carries its choice's usage so far (vLLM's).
     """
 
     def __init__(self, *, chat: bool, response_id: str, model: str, created: int, num_choices: int, n: int,
-                 num_logprobs: int | None, stop_strings: list[str], token_text: Callable[[int], str]):
+                 num_logprobs: int | None, stop_strings: list[str], token_text: Callable[[int], str],
+                 detokenize: Callable[[list[int]], str], echo: bool = False, echo_only: bool = False,
+                 num_prompt_logprobs: int | None = None, continuous_usage: bool = False):
         self.chat = chat
         self._head = {"id": response_id, "object": "", "created": created, "model": model}
         self._n = n
         self._k = num_logprobs
         self._stops = stop_strings
         self._token_text = token_text
+        self._detokenize = detokenize
+        self._echo, self._echo_only = echo, echo_only
+        self._prompt_k = num_prompt_logprobs
+        self._continuous_usage = continuous_usage
         self._sent_chars = [0] * num_choices
         self._sent_tokens = [0] * num_choices
-        self._outputs: list[CompletionOutput | None] = [None] * num_choices
-        self._prompt_tokens: dict[int, int] = {}
+        self._outputs: list[RequestOutput | None] = [None] * num_choices
 
-    def accept(self, index: int, prompt_token_ids: list[int], out: CompletionOutput, error: str | None) -> None:
+    def accept(self, index: int, output: RequestOutput) -> None:
         """Record choice `index`'s latest output; a failed or aborted one raises APIError(500)."""
-        if error or out.finish_reason == "abort":
-            raise APIError(500, f"generation failed: {error or 'the request was aborted'}", code="generation_failed")
-        self._prompt_tokens[index // self._n] = len(prompt_token_ids)
-        self._outputs[index] = out
+        out = output.outputs[0]
+        if output.error or out.finish_reason == "abort":
+            reason = output.error or "the request was aborted"
+            raise APIError(500, f"generation failed: {reason}", code="generation_failed")
+        self._outputs[index] = output
+
+    def _generated(self, output: RequestOutput) -> int:
+        return 0 if self._echo_only else len(output.outputs[0].token_ids)
 
     def usage(self) -> dict:
-        completion = sum(len(o.token_ids) for o in self._outputs if o is not None)
-        return usage(sum(self._prompt_tokens.values()), completion)
+        prompts = {i // self._n: len(o.prompt_token_ids) for i, o in enumerate(self._outputs) if o is not None}
+        return usage(sum(prompts.values()), sum(self._generated(o) for o in self._outputs if o is not None))
 
-    def _logprobs(self, out: CompletionOutput, start: int, text_offset: int) -> dict | None:
+    def _prompt_entries(self, index: int, own: bool) -> list[dict[int, float] | None] | None:
+        """Choice `index`'s prompt logprobs: its own (streaming: sent as they come), or those of its prompt's
+        first choice (a full response: every choice of a prompt shows the same)."""
+        return self._outputs[index if own else index - index % self._n].prompt_logprobs
+
+    def _choice(self, index: int, own: bool) -> _Choice:
+        output = self._outputs[index]
+        out = output.outputs[0]
+        generated = _Choice("", [], [], 0) if self._echo_only else \
+            _Choice(out.text, list(out.token_ids), list(out.logprobs or [None] * len(out.token_ids)), 0)
+        if not self._echo:
+            return generated
+        ids = list(output.prompt_token_ids)
+        text = output.prompt if output.prompt is not None else self._detokenize(ids)
+        entries = list(self._prompt_entries(index, own) or [None] * len(ids))
+        return _Choice(text + generated.text, ids + generated.token_ids, entries + generated.entries, len(text))
+
+    def _logprobs(self, index: int, choice: _Choice, start: int, text_offset: int) -> dict | None:
         if self._k is None:
             return None
         if self.chat:
-            return chat_logprobs(out, start, self._k, self._token_text)
-        return completion_logprobs(out, start, self._k, self._token_text, text_offset)
+            return chat_logprobs(self._outputs[index].outputs[0], start, self._k, self._token_text)
+        return completion_logprobs(choice.token_ids[start:], choice.entries[start:], self._k, self._token_text,
+                                   text_offset)
 
     def role_chunks(self) -> list[dict]:
         """Chat streams open each choice with the assistant role."""
@@ -313,21 +426,26 @@ class ResponseBuilder:
 
     def delta_chunk(self, index: int) -> dict | None:
         """The chunk with choice `index`'s news since the last chunk, or None if there is none to send."""
-        out = self._outputs[index]
-        end = streamable_length(out.text, self._stops, out.finish_reason is not None)
+        output = self._outputs[index]
+        finish_reason = output.outputs[0].finish_reason
+        choice = self._choice(index, own=True)
+        end = choice.fixed + streamable_length(choice.text[choice.fixed:], self._stops, finish_reason is not None)
         start = self._sent_chars[index]
-        text = out.text[start:end] if end > start else ""
-        new_tokens = len(out.token_ids) > self._sent_tokens[index]
-        if not text and out.finish_reason is None and not (new_tokens and self._k is not None):
+        text = choice.text[start:end] if end > start else ""
+        new_tokens = len(choice.token_ids) > self._sent_tokens[index]
+        if not text and finish_reason is None and not (new_tokens and self._k is not None):
             return None
-        logprobs = self._logprobs(out, self._sent_tokens[index], start)
+        logprobs = self._logprobs(index, choice, self._sent_tokens[index], start)
         self._sent_chars[index] = max(start, end)
-        self._sent_tokens[index] = len(out.token_ids)
+        self._sent_tokens[index] = len(choice.token_ids)
         if self.chat:
-            choice = {"index": index, "delta": {"content": text} if text else {}}
+            body = {"index": index, "delta": {"content": text} if text else {}}
         else:
-            choice = {"index": index, "text": text}
-        return self._chunk({**choice, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            body = {"index": index, "text": text}
+        chunk = self._chunk({**body, "logprobs": logprobs, "finish_reason": finish_reason})
+        if self._continuous_usage:
+            chunk["usage"] = usage(len(output.prompt_token_ids), self._generated(output))
+        return chunk
 
     def usage_chunk(self) -> dict:
         return {**self._chunk(None), "choices": [], "usage": self.usage()}
@@ -336,14 +454,23 @@ class ResponseBuilder:
         kind = "chat.completion.chunk" if self.chat else "text_completion"
         return {**self._head, "object": kind, "choices": [choice] if choice else []}
 
+    def _prompt_logprobs(self, index: int) -> list | None:
+        return prompt_logprobs_json(self._prompt_entries(index, own=False) or [], self._prompt_k, self._token_text)
+
     def response(self) -> dict:
         choices = []
-        for i, out in enumerate(self._outputs):
+        for i, output in enumerate(self._outputs):
+            choice = self._choice(i, own=False)
             if self.chat:
-                body = {"message": {"role": "assistant", "content": out.text}}
+                body = {"message": {"role": "assistant", "content": choice.text}}
             else:
-                body = {"text": out.text}
-            choices.append({"index": i, **body, "logprobs": self._logprobs(out, 0, 0),
-                            "finish_reason": out.finish_reason})
+                body = {"text": choice.text}
+                if self._prompt_k is not None:
+                    body["prompt_logprobs"] = self._prompt_logprobs(i)
+            choices.append({"index": i, **body, "logprobs": self._logprobs(i, choice, 0, 0),
+                            "finish_reason": output.outputs[0].finish_reason})
         kind = "chat.completion" if self.chat else "text_completion"
-        return {**self._head, "object": kind, "choices": choices, "usage": self.usage()}
+        response = {**self._head, "object": kind, "choices": choices, "usage": self.usage()}
+        if self.chat and self._prompt_k is not None:
+            response["prompt_logprobs"] = self._prompt_logprobs(0)
+        return response

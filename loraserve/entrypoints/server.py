@@ -90,12 +90,14 @@ class _OpenAIServer:
         tokenizer = engine.tokenizer  # None for models served by token ids only
         self.token_text = functools.lru_cache(maxsize=1 << 16)(
             lambda tid: tokenizer.decode([tid]) if tokenizer is not None else f"<{tid}>")
+        self.decode_ids = (lambda ids: tokenizer.decode(ids)) if tokenizer is not None else \
+            (lambda ids: "".join(map(self.token_text, ids)))
 
     # ---- generation -----------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         arrival = time.perf_counter()
-        make = body.make_sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs)
+        make = body.sampling_params()
         return await self._generate(request, body, body.prompts(), make, chat=False, arrival=arrival)
 
     async def chat_completions(self, body: ChatCompletionRequest, request: Request) -> Response:
@@ -129,10 +131,14 @@ class _OpenAIServer:
                                         outcome_of(err.status))
             err.counted = True
             raise err from exc
+        params = specs[0].params
+        echo = not chat and body.echo
         builder = ResponseBuilder(
             chat=chat, response_id=response_id, model=body.model, created=int(time.time()), num_choices=len(specs),
-            n=body.n, num_logprobs=specs[0].params.logprobs, stop_strings=specs[0].params.stop_strings,
-            token_text=self.token_text)
+            n=body.n, num_logprobs=params.logprobs, stop_strings=params.stop_strings, token_text=self.token_text,
+            detokenize=self.decode_ids, echo=echo, echo_only=echo and body.echo_only,
+            num_prompt_logprobs=None if body.stream else params.prompt_logprobs,
+            continuous_usage=body.continuous_usage)
         index = {spec.request_id: i for i, spec in enumerate(specs)}
         timer = TokenTimer(self.metrics, arrival)
         if body.stream:
@@ -151,7 +157,7 @@ class _OpenAIServer:
         async def consume() -> None:
             async for out in stream:
                 timer.observe(out)
-                builder.accept(index[out.request_id], out.prompt_token_ids, out.outputs[0], out.error)
+                builder.accept(index[out.request_id], out)
 
         consumer = asyncio.ensure_future(consume())
         watcher = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -182,7 +188,7 @@ class _OpenAIServer:
             async for out in stream:
                 timer.observe(out)
                 i = index[out.request_id]
-                builder.accept(i, out.prompt_token_ids, out.outputs[0], out.error)
+                builder.accept(i, out)
                 chunk = builder.delta_chunk(i)
                 if chunk is not None:
                     yield _sse(chunk)

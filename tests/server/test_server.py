@@ -15,6 +15,7 @@ import openai
 import pytest
 import torch
 from transformers import AutoTokenizer
+from hf_reference import load_hf_model, teacher_forced_logprobs
 from model_fixtures import make_lora_adapters
 from server_harness import metric, read_metrics, serve, wait_until_idle
 
@@ -140,6 +141,118 @@ def test_chat_full_and_streamed(client, base):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == choice.message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
+
+
+@pytest.fixture(scope="module")
+def hf(paths):
+    return load_hf_model(paths["model"])
+
+
+def test_prompt_logprobs_in_vllms_shape(client, url, base, paths, hf):
+    """prompt_logprobs (vLLM's, through extra_body) equal HF's teacher-forced logprobs: per prompt token the
+    token itself and the top k, with their ranks and text; in each completion choice, and at the top of a chat
+    completion; refused with stream and out of range."""
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    prompt = tokenizer("The quick brown fox jumps over", add_special_tokens=False)["input_ids"]
+    answer = client.completions.create(model=base, prompt=prompt, max_tokens=2, temperature=0, n=2,
+                                       extra_body={"prompt_logprobs": 2})
+    reference = teacher_forced_logprobs(hf, prompt[:1], prompt[1:])  # [P-1, V]
+    got = answer.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    assert answer.choices[1].model_extra["prompt_logprobs"] == got  # every choice carries its prompt's
+    for pos in range(1, len(prompt)):
+        want = reference[pos - 1]
+        top = want.topk(2).indices.tolist()
+        assert set(got[pos]) == {str(t) for t in {prompt[pos], *top}}, pos
+        for token, item in got[pos].items():
+            assert abs(item["logprob"] - float(want[int(token)])) < 1e-4, (pos, token)
+            assert item["decoded_token"] == tokenizer.decode([int(token)])
+            assert item["rank"] == (top.index(int(token)) + 1 if int(token) in top else None)
+    assert "prompt_logprobs" not in client.completions.create(model=base, prompt=prompt, max_tokens=1).choices[0].model_extra
+    with_adapter = client.completions.create(model="a1", prompt=prompt, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    changed = with_adapter.choices[0].model_extra["prompt_logprobs"]
+    assert [list(e) for e in changed[1:]] == [[str(t)] for t in prompt[1:]]  # k = 0: the prompt's tokens alone
+    assert any(abs(changed[p][str(prompt[p])]["logprob"] - got[p][str(prompt[p])]["logprob"]) > 1e-4
+               for p in range(1, len(prompt)))  # scored with the adapter
+
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = client.chat.completions.create(model=base, messages=messages, max_tokens=1, extra_body={"prompt_logprobs": 1})
+    ids = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    top = chat.model_extra["prompt_logprobs"]
+    assert len(top) == len(ids) and top[0] is None and all(str(t) in e for t, e in zip(ids[1:], top[1:]))
+    for extra, message in (({"prompt_logprobs": 2}, "stream=true"), ({"prompt_logprobs": 21}, "[0, 20]")):
+        status, body = status_of(lambda extra=extra: client.completions.create(
+            model=base, prompt="Hi", max_tokens=2, stream="stream" in message, extra_body=extra))
+        assert status == 400 and body["param"] == "prompt_logprobs" and message in body["message"], body
+
+
+def test_echo_returns_and_scores_the_prompt(client, base, paths, hf):
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    text = "Serving many adapters at once"
+    prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+    scored = client.completions.create(model=base, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    assert choice.text == tokenizer.decode(prompt) and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in prompt] and lp.token_logprobs[0] is None
+    reference = teacher_forced_logprobs(hf, prompt[:1], prompt[1:])
+    for pos in range(1, len(prompt)):
+        assert abs(lp.token_logprobs[pos] - float(reference[pos - 1][prompt[pos]])) < 1e-4, pos
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    plain = client.completions.create(model=base, prompt=text, max_tokens=4, temperature=0, logprobs=1)
+    echoed = client.completions.create(model=base, prompt=text, max_tokens=4, temperature=0, logprobs=1, echo=True)
+    assert echoed.choices[0].text == text + plain.choices[0].text
+    prompt_len = echoed.usage.prompt_tokens
+    assert len(echoed.choices[0].logprobs.tokens) == prompt_len + 4 and echoed.usage.completion_tokens == 4
+    assert echoed.choices[0].logprobs.token_logprobs[prompt_len:] == plain.choices[0].logprobs.token_logprobs
+    streamed = list(client.completions.create(model=base, prompt=text, max_tokens=4, temperature=0, echo=True,
+                                              stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+    status, body = status_of(lambda: client.completions.create(model=base, prompt=text, max_tokens=0))
+    assert status == 400 and body["param"] == "max_tokens"  # nothing to do without echo
+
+
+def test_continuous_usage_in_every_chunk(client, base):
+    chunks = list(client.completions.create(
+        model=base, prompt="Hello", max_tokens=4, temperature=0, stream=True, n=2,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    per_choice = {}
+    for chunk in chunks[:-1]:
+        per_choice.setdefault(chunk.choices[0].index, []).append(chunk.usage.completion_tokens)
+    assert set(per_choice) == {0, 1} and all(counts == sorted(counts) and counts[-1] == 4
+                                             for counts in per_choice.values())
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    status, body = status_of(lambda: client.completions.create(model=base, prompt="Hi", max_tokens=2, stream=True,
+                                                               stream_options={"include_usage": True, "x": 1}))
+    assert status == 400 and "stream_options.x" in body["message"]
+
+
+def test_unimplemented_fields_are_neutral_or_a_clear_400(client, base):
+    kw = dict(model=base, prompt="Hi", max_tokens=2)
+    accepted = client.completions.create(**kw, best_of=1, extra_body={
+        "use_beam_search": False, "length_penalty": 1.0, "spaces_between_special_tokens": True,
+        "response_format": {"type": "text"}})
+    assert accepted.usage.completion_tokens == 2
+    for extra, param, needle in (
+            ({"use_beam_search": True}, "use_beam_search", "not supported"),
+            ({"best_of": 3}, "best_of", "not supported"),
+            ({"response_format": {"type": "json_object"}}, "response_format", "structured output"),
+            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "Unrecognized")):
+        status, body = status_of(lambda extra=extra: client.completions.create(**kw, extra_body=extra))
+        assert status == 400 and body["param"] == param and needle in body["message"], body
+    chat = dict(model=base, max_tokens=2)
+    status, body = status_of(lambda: client.chat.completions.create(
+        **chat, messages=[{"role": "user", "content": "Hi"}], extra_body={"echo": True}))
+    assert status == 400 and body["param"] == "echo"
+    status, body = status_of(lambda: client.chat.completions.create(**chat, messages=[
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]))
+    assert status == 400 and "tool calls are not supported" in body["message"]
+    sent_back = {"role": "assistant", "content": "Hello", "refusal": None, "tool_calls": None}  # as a client got it
+    answer = client.chat.completions.create(**chat, messages=[{"role": "user", "content": "Hi"}, sent_back,
+                                                              {"role": "user", "content": "Again"}])
+    assert answer.usage.completion_tokens == 2
 
 
 def test_adapters_change_the_output(client, base):
@@ -336,7 +449,7 @@ def test_tokenize_and_detokenize(url, base, paths):
     templated = reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert chat["tokens"] == reference(templated, add_special_tokens=False)["input_ids"]
     back = httpx.post(f"{url}/detokenize", json={"model": base, "tokens": plain["tokens"]})
-    assert back.status_code == 200 and back.json() == {"prompt": reference.decode(plain["tokens"])}
+    assert back.status_code == 200 and back.json() == {"prompt": reference.decode(plain["tokens"])}, back.text
     for path, body, status in (("/tokenize", {"model": "nope", "prompt": "x"}, 404),
                                ("/tokenize", {"prompt": "x", "messages": messages}, 400),
                                ("/tokenize", {}, 400),
