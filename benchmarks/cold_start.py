@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="who reads the adapter folders (default: a reader process on CUDA, a thread on the CPU)")
     args = p.parse_args(argv)
     args.hot_requests = args.hot_requests or (4 if args.quick else 64)
-    args.hot_output = args.hot_output or (48 if args.quick else 2048)
+    args.hot_output = args.hot_output or (256 if args.quick else 2048)
     args.new_adapters = args.new_adapters or (3 if args.quick else 16)
     if args.hot_output <= args.new_adapters * args.interval + 2 * args.interval:
         p.error("--hot-output must outlast the arrival window (new adapters x interval steps)")
