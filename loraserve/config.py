@@ -140,6 +140,23 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model's layers split over this many devices, one process each."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+
+    def device_of(self, device: torch.device, rank: int) -> torch.device:
+        """The device of `rank`: CUDA device `rank` when the engine runs on CUDA with several ranks."""
+        if device.type == "cuda" and self.tensor_parallel_size > 1:
+            return torch.device("cuda", rank)
+        return device
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine is built from; made once by EngineArgs.create_config."""
 
@@ -149,6 +166,7 @@ class EngineConfig:
     lora: LoRAConfig | None  # None: LoRA is off (no LoRA layers, kernels or metadata)
     enforce_eager: bool = False  # no CUDA graphs
     async_scheduling: bool = True  # launch the next step before reading the tokens of the one in flight
+    parallel: ParallelConfig = ParallelConfig()
 
 
 @dataclass(frozen=True)
@@ -180,12 +198,14 @@ class EngineArgs:
     max_cpu_loras: int | None = None
     lora_root: str | None = None
     lora_reader: str = "auto"
+    tensor_parallel_size: int = 1  # ranks (devices, one process each) the model's layers are split over
 
     def check(self) -> None:
         """Validate what does not depend on the model (before anything is read from disk)."""
         self._device_and_dtype()
         self._cache()
         self._lora()
+        self._parallel()
 
     def create_config(self, max_position_embeddings: int) -> EngineConfig:
         """The engine's config for a model of this many positions."""
@@ -204,7 +224,8 @@ class EngineArgs:
             scheduler=SchedulerConfig(self.max_num_seqs, budget, max_model_len),
             lora=self._lora(),
             enforce_eager=self.enforce_eager,
-            async_scheduling=self.async_scheduling)
+            async_scheduling=self.async_scheduling,
+            parallel=self._parallel())
 
     def _device_and_dtype(self) -> tuple[torch.device, torch.dtype]:
         device = resolve_device(self.device)
@@ -213,6 +234,17 @@ class EngineArgs:
     def _cache(self) -> CacheConfig:
         return CacheConfig(self.block_size, self.gpu_memory_utilization, self.cpu_kv_cache_gb,
                            self.num_gpu_blocks_override, self.enable_prefix_caching)
+
+    def _parallel(self) -> ParallelConfig:
+        parallel = ParallelConfig(self.tensor_parallel_size)
+        device = resolve_device(self.device)
+        if device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many CUDA devices, but "
+                             f"{torch.cuda.device_count()} are visible")
+        if device.type == "cuda" and device.index not in (None, 0) and self.tensor_parallel_size > 1:
+            raise ValueError(f"with tensor_parallel_size > 1 the ranks use CUDA devices 0..N-1; device {device} "
+                             "can't be chosen (set CUDA_VISIBLE_DEVICES instead)")
+        return parallel
 
     def _lora(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -47,6 +47,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS.enable_prefix_caching,
                         help="reuse the KV cache of prompt prefixes seen before (per adapter weights)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS.tensor_parallel_size,
+                        help="split the model's layers over this many GPUs (CUDA devices 0..N-1), one process each "
+                             "(on the CPU: processes talking through gloo)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS.async_scheduling,
@@ -78,4 +81,5 @@ def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
                       enable_prefix_caching=args.enable_prefix_caching, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
                       enable_lora=enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       lora_gpu_memory=args.lora_gpu_memory, max_cpu_lora_memory=args.max_cpu_lora_memory,
-                      max_cpu_loras=args.max_cpu_loras, lora_reader=args.lora_reader)
+                      max_cpu_loras=args.max_cpu_loras, lora_reader=args.lora_reader,
+                      tensor_parallel_size=args.tensor_parallel_size)

@@ -1,4 +1,5 @@
-"""Small model layers: RMSNorm, rotary embedding (default/linear/llama3/longrope scaling), embedding, LM head."""
+"""Small model layers: RMSNorm, rotary embedding (default/linear/llama3/longrope scaling), the vocab-parallel
+embedding and LM head."""
 from __future__ import annotations
 
 import math
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.models.ops import rms_norm
 
 
@@ -136,35 +138,64 @@ class RotaryEmbedding(nn.Module):
                                     self.cos_sin.device)  # [P, hd] fp32
 
 
-class VocabEmbedding(nn.Module):
-    """Token embedding [vocab, D] (vocab-parallel with tp_size 1), times `scale` if given (Gemma: sqrt(D), the
-    factor rounded to the model dtype first, as HF's normalizer)."""
+class VocabParallel(nn.Module):
+    """A [vocab, D] weight split by vocabulary rows over a tensor-parallel group: each rank keeps rows
+    [r*V', (r+1)*V'), V' = cdiv(vocab, tp) (the last rank's rows past the vocabulary are zeros)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
+        self.tp, self.vocab_size = tp, vocab_size
+        self.rows = -(-vocab_size // tp.size)  # V': this rank's share of the vocabulary
+        self.start = tp.rank * self.rows
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        """This rank's rows of the checkpoint's [vocab, D] matrix; rows past the vocabulary are zero."""
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"shape {tuple(loaded.shape)}, expected {(self.vocab_size, param.shape[1])}")
+        held = max(0, min(self.rows, self.vocab_size - self.start))
+        param.data[:held].copy_(loaded[self.start:self.start + held])
+        param.data[held:].zero_()
+
+
+class VocabEmbedding(VocabParallel):
+    """Token embedding, vocab-parallel: each rank looks up the ids it holds and the ranks' lookups are summed by
+    one all-reduce (exact: one rank holds each id, the others add zeros); times `scale` if given (Gemma:
+    sqrt(D), the factor rounded to the model dtype first, as HF's normalizer)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None, tp: ParallelGroup = NO_PARALLEL):
+        super().__init__(vocab_size, hidden_size, tp)
         self.scale = scale
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # ids: [T] -> [T, D]
-        x = F.embedding(ids, self.weight)
+        if not self.tp.is_parallel:
+            x = F.embedding(ids, self.weight)
+        else:
+            local = ids - self.start
+            held = (local >= 0) & (local < self.rows)  # [T]
+            x = F.embedding(torch.where(held, local, 0), self.weight) * held.unsqueeze(1).to(self.weight.dtype)
+            self.tp.all_reduce(x)
         if self.scale is None:
             return x
         return x * torch.tensor(self.scale, dtype=x.dtype).item()  # a host scalar: no device work to set it up
 
 
-class LMHead(nn.Module):
-    """Logits = h @ W^T with W: [vocab, D]; may share its weight with the embedding. `softcap`: logits become
+class LMHead(VocabParallel):
+    """Logits = h @ W^T with W: [vocab, D], vocab-parallel as the embedding (it may share its weight): each rank
+    computes the logits of its rows and the ranks' logits are gathered for sampling. `softcap`: logits become
     softcap * tanh(logits / softcap), in the model dtype as HF computes them (Gemma 2)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, softcap: float | None = None):
-        super().__init__()
+    def __init__(self, vocab_size: int, hidden_size: int, softcap: float | None = None,
+                 tp: ParallelGroup = NO_PARALLEL):
+        super().__init__(vocab_size, hidden_size, tp)
         self.softcap = softcap
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         # h: [N, D] -> [N, vocab] in fp32
-        logits = F.linear(h, self.weight)
+        logits = F.linear(h, self.weight)  # [N, V'] this rank's share
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.tp.is_parallel:
+            logits = self.tp.all_gather(logits)[:, :self.vocab_size]
         return logits.float()

@@ -1,12 +1,18 @@
-"""Linear layers written as column/row parallel with a tensor-parallel size of 1.
+"""Column- and row-parallel linear layers: each rank of a tensor-parallel group (loraserve.distributed) holds
+its part of the weight.
 
-Each layer has a `weight_loader(param, loaded, shard)` that copies one
+A column-parallel layer keeps its rank's part of every output slice (no
+communication: its output stays split, the next layer consumes it so); a
+row-parallel layer keeps its rank's part of the input features and sums the
+ranks' partial outputs with one all-reduce. Each layer has a
+`weight_loader(param, loaded, shard)` that copies its rank's part of one
 checkpoint tensor into its place: a packed layer (q/k/v, gate/up) holds several
 checkpoint tensors as consecutive output ranges (slices), `shard` being the
 slice's index, or one checkpoint tensor holding them all (`shard` None: Phi-3's
-qkv_proj and gate_up_proj). With tp_size > 1 each rank would keep its own slice of the
-output (column) or input (row) dimension; the loaders already take that slice,
-so sharding is a small step later.
+qkv_proj and gate_up_proj). The same rule splits a LoRA adapter's factors (`lora_shard`):
+for a column layer A is whole and B split by output, for a row layer A split by
+input and B whole (the shrink's partial sums are all-reduced before the expand,
+`lora_reduce`).
 
 `forward(x, ctx=None)` returns a LinearOutput: base layers ignore the forward
 context and return no delta; the LoRA wrapper (loraserve.lora.layers.LoRALinear)
@@ -20,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.kernels.lora_expand import LoRAFactors
 
 
@@ -43,11 +50,11 @@ class LinearOutput(NamedTuple):
 
 
 class LinearBase(nn.Module):
-    """y = x @ W^T (+ b) with W: [out_features, in_features] on this rank."""
+    """y = x @ W^T (+ b) with W: [out_features, in_features], this rank's part of the layer."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp = tp
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         if bias:
@@ -55,7 +62,22 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    @property
+    def lora_reduce(self):
+        """The all-reduce of a LoRA shrink's partial sums before its expand (row-parallel layers of several
+        ranks), or None."""
+        return None
+
+    @property
+    def checkpoint_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of each checkpoint matrix the layer holds (whole, not this rank's part)."""
+        raise NotImplementedError
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: int | None = None) -> None:
+        raise NotImplementedError
+
+    def lora_shard(self, a: torch.Tensor, b: torch.Tensor, shard: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank `rank`'s part of a LoRA adapter's factors of slice `shard`: a [r, in], b [out, r] whole."""
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, ctx=None) -> LinearOutput:
@@ -68,77 +90,152 @@ def _check_shape(param_part: torch.Tensor, loaded: torch.Tensor, what: str) -> N
         raise ValueError(f"{what}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(param_part.shape)}")
 
 
-class ColumnParallelLinear(LinearBase):
-    """Output features split across ranks; this rank keeps rows [rank*out/tp, (rank+1)*out/tp)."""
+def _split(size: int, parts: int, what: str) -> int:
+    if size % parts:
+        raise ValueError(f"{what} {size} is not divisible by tensor_parallel_size {parts}")
+    return size // parts
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        if out_features % tp_size:
-            raise ValueError(f"out_features {out_features} not divisible by tp_size {tp_size}")
-        super().__init__(in_features, out_features // tp_size, bias, tp_rank, tp_size)
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; rank r keeps rows [r*out/tp, (r+1)*out/tp)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = NO_PARALLEL):
+        super().__init__(in_features, _split(out_features, tp.size, "out_features"), bias, tp)
+
+    @property
+    def checkpoint_shapes(self):
+        return [(self.in_features, self.out_features * self.tp.size)]
+
+    def output_part(self, loaded: torch.Tensor, shard: int | None, rank: int) -> torch.Tensor:
+        """Rank `rank`'s rows of a whole checkpoint tensor (weight [out, in], bias [out] or LoRA B [out, r])."""
+        return loaded.narrow(0, rank * self.out_features, self.out_features)
 
     def weight_loader(self, param, loaded, shard=None):
-        size = param.shape[0]
-        part = loaded.narrow(0, self.tp_rank * size, size)
+        part = self.output_part(loaded, shard, self.tp.rank)
         _check_shape(param.data, part, "column-parallel weight")
         param.data.copy_(part)
+
+    def lora_shard(self, a, b, shard, rank):
+        return a, self.output_part(b, shard, rank)
 
 
 class PackedColumnParallelLinear(ColumnParallelLinear):
     """Several checkpoint matrices with the same input stacked along the output: gate/up, q/k/v.
 
-    `output_sizes` are the full (unsharded) sizes of each slice; `slice_offsets`
-    are the column ranges on this rank, used by LoRA to place each slice's delta.
-    Which checkpoint module each slice holds is the model's `packed_modules` table.
+    `output_sizes` are this rank's sizes of each slice (the whole sizes over tp, unless a subclass says
+    otherwise); `slice_offsets` are the column ranges on this rank, used by LoRA to place each slice's
+    delta. Which checkpoint module each slice holds is the model's `packed_modules` table.
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
-        self.output_sizes = [s // tp_size for s in output_sizes]
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
+                 tp: ParallelGroup = NO_PARALLEL):
+        self.output_sizes = self._rank_sizes(output_sizes, tp)
+        LinearBase.__init__(self, in_features, sum(self.output_sizes), bias, tp)
+        self.full_output_sizes = list(output_sizes)
         offsets = [0]
         for size in self.output_sizes:
             offsets.append(offsets[-1] + size)
         self.slice_offsets: tuple[int, ...] = tuple(offsets)
 
+    def _rank_sizes(self, output_sizes: list[int], tp: ParallelGroup) -> list[int]:
+        return [_split(s, tp.size, "output size") for s in output_sizes]
+
+    @property
+    def checkpoint_shapes(self):
+        return [(self.in_features, size) for size in self.full_output_sizes]
+
+    def slice_start(self, shard: int, rank: int) -> int:
+        """Where rank `rank`'s rows of slice `shard` start in the whole checkpoint tensor of that slice."""
+        return rank * self.output_sizes[shard]
+
+    def output_part(self, loaded, shard, rank):
+        if shard is None or not 0 <= shard < len(self.output_sizes):
+            raise ValueError(f"unknown slice {shard!r} of a layer packing {len(self.output_sizes)}")
+        return loaded.narrow(0, self.slice_start(shard, rank), self.output_sizes[shard])
+
     def weight_loader(self, param, loaded, shard=None):
         if shard is None:  # the checkpoint packs the slices too: load each from its rows
-            full_sizes = [size * self.tp_size for size in self.output_sizes]
+            full_sizes = self.full_output_sizes
             if loaded.shape[0] != sum(full_sizes):
                 raise ValueError(f"packed checkpoint tensor has {loaded.shape[0]} rows, expected {sum(full_sizes)} "
                                  f"(slices of {full_sizes})")
             for i, part in enumerate(loaded.split(full_sizes, dim=0)):
                 self.weight_loader(param, part, i)
             return
-        if not 0 <= shard < len(self.output_sizes):
-            raise ValueError(f"unknown slice {shard!r} of a layer packing {len(self.output_sizes)}")
-        start, size = self.slice_offsets[shard], self.output_sizes[shard]
-        part = loaded.narrow(0, self.tp_rank * size, size)
-        dest = param.data.narrow(0, start, size)
+        part = self.output_part(loaded, shard, self.tp.rank)
+        dest = param.data.narrow(0, self.slice_offsets[shard], self.output_sizes[shard])
         _check_shape(dest, part, f"packed weight slice {shard}")
         dest.copy_(part)
 
 
 class QKVParallelLinear(PackedColumnParallelLinear):
-    """q, k and v projections packed: out = (H + 2 * KVH) * head_dim."""
+    """q, k and v projections packed: out = (H + 2 * KVH) * head_dim, split by heads.
+
+    Each rank keeps H/tp query heads and KVH/tp key/value heads; with fewer KV heads than ranks, each KV head
+    is kept by tp/KVH ranks (rank r keeps KV head r * KVH // tp), so every rank has the KV heads its query
+    heads attend to."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp: ParallelGroup = NO_PARALLEL):
         self.head_dim = head_dim
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads  # whole-model counts
+        self.rank_heads, self.rank_kv_heads = qkv_heads_per_rank(num_heads, num_kv_heads, tp.size)
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-                         bias, tp_rank, tp_size)
+                         bias, tp)
+
+    def _rank_sizes(self, output_sizes, tp):
+        return [self.rank_heads * self.head_dim, self.rank_kv_heads * self.head_dim,
+                self.rank_kv_heads * self.head_dim]
+
+    def slice_start(self, shard, rank):
+        if shard == 0:
+            return rank * self.output_sizes[0]
+        return rank * self.num_kv_heads // self.tp.size * self.head_dim
+
+
+def qkv_heads_per_rank(num_heads: int, num_kv_heads: int, tp_size: int) -> tuple[int, int]:
+    """(query heads, KV heads) each rank of `tp_size` keeps; ValueError when the heads can't be split so."""
+    if num_heads % tp_size:
+        raise ValueError(f"num_attention_heads {num_heads} is not divisible by tensor_parallel_size {tp_size}")
+    if num_kv_heads % tp_size and tp_size % num_kv_heads:
+        raise ValueError(f"num_key_value_heads {num_kv_heads} and tensor_parallel_size {tp_size}: one must divide "
+                         "the other")
+    return num_heads // tp_size, max(1, num_kv_heads // tp_size)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; outputs would be summed (all-reduce) when tp_size > 1."""
+    """Input features split across ranks; the ranks' partial outputs are summed by one all-reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        if in_features % tp_size:
-            raise ValueError(f"in_features {in_features} not divisible by tp_size {tp_size}")
-        super().__init__(in_features // tp_size, out_features, bias, tp_rank, tp_size)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: ParallelGroup = NO_PARALLEL):
+        super().__init__(_split(in_features, tp.size, "in_features"), out_features, bias, tp)
+
+    @property
+    def lora_reduce(self):
+        return self.tp.all_reduce if self.tp.is_parallel else None
+
+    @property
+    def checkpoint_shapes(self):
+        return [(self.in_features * self.tp.size, self.out_features)]
+
+    def input_part(self, loaded: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank `rank`'s columns of a whole checkpoint matrix (weight [out, in] or LoRA A [r, in])."""
+        return loaded.narrow(1, rank * self.in_features, self.in_features)
 
     def weight_loader(self, param, loaded, shard=None):
         if param.dim() == 2:
-            size = param.shape[1]
-            loaded = loaded.narrow(1, self.tp_rank * size, size)
+            loaded = self.input_part(loaded, self.tp.rank)
         _check_shape(param.data, loaded, "row-parallel weight")
         param.data.copy_(loaded)
+
+    def lora_shard(self, a, b, shard, rank):
+        return self.input_part(a, rank), b
+
+    def forward(self, x: torch.Tensor, ctx=None) -> LinearOutput:
+        # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum)
+        if not self.tp.is_parallel:
+            return LinearOutput(F.linear(x, self.weight, self.bias), None)
+        y = F.linear(x, self.weight)
+        self.tp.all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return LinearOutput(y, None)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.forward_context import ForwardContext
 from loraserve.kernels.fused_reference import QKNorm
 from loraserve.models.attention import PagedAttention
@@ -69,14 +70,18 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, options: DecoderOptions, layer: LayerAttention, rotary: RotaryEmbedding):
+    """Attention over this rank's heads (tensor parallel: q/k/v column-parallel by heads, o row-parallel)."""
+
+    def __init__(self, config, options: DecoderOptions, layer: LayerAttention, rotary: RotaryEmbedding,
+                 tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
         d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         self.head_dim = head_dim_of(config)
-        self.qkv_proj = QKVParallelLinear(d, self.head_dim, self.num_heads, self.num_kv_heads, bias=options.qkv_bias)
-        self.o_proj = RowParallelLinear(self.num_heads * self.head_dim, d, bias=False)
+        self.qkv_proj = QKVParallelLinear(d, self.head_dim, heads, kv_heads, bias=options.qkv_bias, tp=tp)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.rank_heads, self.qkv_proj.rank_kv_heads  # this rank's
+        self.o_proj = RowParallelLinear(heads * self.head_dim, d, bias=False, tp=tp)
         if options.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.unit_offset_norms)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, options.unit_offset_norms)
@@ -105,10 +110,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, options: DecoderOptions):
+    def __init__(self, config, options: DecoderOptions, tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
-        self.gate_up_proj = PackedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = PackedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False,
+                                                       tp=tp)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, tp=tp)
         self.act_and_mul = gelu_tanh_and_mul if options.activation == "gelu_tanh" else silu_and_mul
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> LinearOutput:
@@ -118,10 +124,11 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, options: DecoderOptions, layer: LayerAttention, rotary: RotaryEmbedding):
+    def __init__(self, config, options: DecoderOptions, layer: LayerAttention, rotary: RotaryEmbedding,
+                 tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, layer, rotary)
-        self.mlp = LlamaMLP(config, options)
+        self.self_attn = LlamaAttention(config, options, layer, rotary, tp)
+        self.mlp = LlamaMLP(config, options, tp)
         d, eps, unit_offset = config.hidden_size, config.rms_norm_eps, options.unit_offset_norms
         self.input_layernorm = RMSNorm(d, eps, unit_offset)
         # Llama: the norm before the MLP. Gemma: the norm of the attention output, and pre_feedforward_layernorm
@@ -155,7 +162,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, options: DecoderOptions, layers: list[LayerAttention]):
+    def __init__(self, config, options: DecoderOptions, layers: list[LayerAttention], tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
         rotaries: dict[str, RotaryEmbedding] = {}  # one table per distinct setting, shared by its layers
         for layer in layers:
@@ -163,8 +170,8 @@ class LlamaModel(nn.Module):
                 rotaries[layer.rotary_key()] = RotaryEmbedding(head_dim_of(config), config.max_position_embeddings,
                                                                layer.rope_theta, layer.rope_scaling)
         self.rotary_embeddings = nn.ModuleList(rotaries.values())
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, options.embed_scale)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options, layer, rotaries[layer.rotary_key()])
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, options.embed_scale, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, options, layer, rotaries[layer.rotary_key()], tp)
                                     for layer in layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, options.unit_offset_norms)
 
@@ -180,7 +187,8 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns hidden states; `compute_logits` the fp32 logits of chosen rows.
 
     A subclass is an architecture: it reads its `decoder_options` and `layer_attention` from the HF config
-    (ValueError for settings it does not serve: `check_config`).
+    (ValueError for settings it does not serve: `check_config`). `tp`: the tensor-parallel group this rank
+    belongs to; the model holds this rank's part of every layer.
     """
 
     # packed module -> the checkpoint modules of its output slices, in order (the loader and LoRA read this)
@@ -188,12 +196,12 @@ class LlamaForCausalLM(nn.Module):
     # packed modules that the checkpoint and its PEFT adapters keep as one module (Phi-3)
     checkpoint_packed: frozenset[str] = frozenset()
 
-    def __init__(self, config):
+    def __init__(self, config, tp: ParallelGroup = NO_PARALLEL):
         super().__init__()
         self.config = config
         options = self.decoder_options(config)
-        self.model = LlamaModel(config, options, self.layer_attention(config))
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, options.final_softcap)
+        self.model = LlamaModel(config, options, self.layer_attention(config), tp)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, options.final_softcap, tp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.tie_weights()
 

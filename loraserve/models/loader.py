@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.errors import ModelLoadError
 from loraserve.models import gguf_loader
 from loraserve.models.registry import model_class_for
@@ -46,11 +47,12 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def build_empty_model(hf_config, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    """The model with uninitialised weights on `device` (built on meta, no host copy)."""
+def build_empty_model(hf_config, device: torch.device, dtype: torch.dtype,
+                      tp: ParallelGroup = NO_PARALLEL) -> nn.Module:
+    """The model (this rank's part of it) with uninitialised weights on `device` (built on meta, no host copy)."""
     cls = model_class_for(hf_config)
     with _default_dtype(dtype), torch.device("meta"):
-        model = cls(hf_config)
+        model = cls(hf_config, tp)
     model.to_empty(device=device)
     model.tie_weights()
     for module in model.modules():
@@ -171,29 +173,42 @@ class ModelSource:
         return int(getattr(self.hf_config, "max_position_embeddings", 2048))
 
     def load(self, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None = None,
-             chat_template: str | None = None) -> LoadedModel:
-        """Build the model on `device` in `dtype` and fill it; read the tokenizer (the model's own, or the
-        HF tokenizer folder `tokenizer_path`), whose chat template `chat_template` replaces when given."""
-        loaded = self._load(device, dtype, tokenizer_path)
+             chat_template: str | None = None, tp: ParallelGroup = NO_PARALLEL) -> LoadedModel:
+        """Build the model (rank tp.rank's part of it) on `device` in `dtype` and fill it; read the tokenizer
+        (the model's own, or the HF tokenizer folder `tokenizer_path`), whose chat template `chat_template`
+        replaces when given."""
+        loaded = self._load(device, dtype, tokenizer_path, tp)
         if chat_template is not None:
             if loaded.tokenizer is None:
                 raise ModelLoadError("a chat template was given but the model has no tokenizer (give --tokenizer)")
             loaded.tokenizer.chat_template = chat_template
         return loaded
 
-    def _load(self, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None) -> LoadedModel:
+    def load_model(self, device: torch.device, dtype: torch.dtype, tp: ParallelGroup = NO_PARALLEL) -> nn.Module:
+        """The model (rank tp.rank's part of it) on `device` in `dtype`, its weights read (random for synthetic
+        models: each rank draws its own, so only their speed is the same at every tensor-parallel size)."""
+        net = build_empty_model(self.hf_config, device, dtype, tp)
+        if self.model is not None and self.model.startswith("synthetic:"):
+            randomize_weights(net, seed=0)
+        elif self.gguf_file is not None:
+            load_weights(net, self.gguf_file.weights(), total=len(self.gguf_file.reader.tensors))
+        else:
+            files = _safetensors_files(self.folder)
+            load_weights(net, _iter_safetensors(files), total=_count_tensors(files))
+        return net
+
+    def _load(self, device: torch.device, dtype: torch.dtype, tokenizer_path: str | None,
+              tp: ParallelGroup) -> LoadedModel:
         config, model = self.hf_config, self.model
         if tokenizer_path is not None and not os.path.isdir(tokenizer_path):
             raise ModelLoadError(f"tokenizer path {tokenizer_path!r} is not a folder (give an HF tokenizer folder)")
-        net = build_empty_model(config, device, dtype)
+        net = self.load_model(device, dtype, tp)
         if model is not None and model.startswith("synthetic:"):
-            randomize_weights(net, seed=0)
             if tokenizer_path is None:
                 return LoadedModel(net, config, None, model, [])
             tokenizer = _load_tokenizer(tokenizer_path)
             return LoadedModel(net, config, tokenizer, model, _eos_ids(config, tokenizer, tokenizer_path))
         if self.gguf_file is not None:
-            load_weights(net, self.gguf_file.weights(), total=len(self.gguf_file.reader.tensors))
             path = self.gguf_file.path
             if tokenizer_path is None:
                 tokenizer = self.gguf_file.tokenizer()  # from the header read for the config: not parsed again
@@ -202,8 +217,6 @@ class ModelSource:
             name = os.path.basename(path).split(".")[0] if model is None else os.path.basename(path)[:-5]
             return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, tokenizer_path))
         folder = self.folder
-        files = _safetensors_files(folder)
-        load_weights(net, _iter_safetensors(files), total=_count_tensors(files))
         tokenizer = _load_tokenizer(tokenizer_path or folder)
         name = model if folder != model else os.path.basename(os.path.normpath(folder))  # a repo id names itself
         return LoadedModel(net, config, tokenizer, name, _eos_ids(config, tokenizer, folder))

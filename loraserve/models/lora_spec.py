@@ -54,17 +54,17 @@ class LoRATarget:
 
 def spec_of_targets(targets: list[LoRATarget], num_layers: int,
                     checkpoint_packed: frozenset[str] = frozenset()) -> LoRAModelSpec:
-    """(in, out) per adapter module name, read off the layers (a packed layer's slice offsets); the layers whose
-    attr is in `checkpoint_packed` are one module to adapters."""
+    """(in, out) per adapter module name, read off the base layers (their whole checkpoint shapes, also where a
+    rank of a tensor-parallel group holds part of them); the layers whose attr is in `checkpoint_packed` are one
+    module to adapters."""
     modules: dict[str, tuple[int, int]] = {}
     packed: dict[str, tuple[tuple[str, int], ...]] = {}
     for target in targets:
-        linear = target.linear
-        offsets = getattr(linear, "slice_offsets", (0, linear.out_features))
+        shapes = target.linear.checkpoint_shapes  # [(in, out)] per slice
         if target.attr in checkpoint_packed:
-            modules[target.attr] = (linear.in_features, offsets[-1] - offsets[0])
-            packed[target.attr] = tuple((name, hi - lo) for name, lo, hi in zip(target.slices, offsets, offsets[1:]))
+            modules[target.attr] = (shapes[0][0], sum(out for _, out in shapes))
+            packed[target.attr] = tuple((name, out) for name, (_, out) in zip(target.slices, shapes))
             continue
-        for name, lo, hi in zip(target.slices, offsets, offsets[1:]):
-            modules[name] = (linear.in_features, hi - lo)
+        for name, shape in zip(target.slices, shapes):
+            modules[name] = shape
     return LoRAModelSpec(num_layers=num_layers, modules=modules, packed=packed)

@@ -1,0 +1,129 @@
+"""The tensor-parallel group of one process: its rank, the group's size and the collectives the layers use.
+
+A `ParallelGroup` is passed explicitly to whatever needs it (the model's layers, the LoRA runtime, the model
+runner); there is no global "current rank". `NO_PARALLEL` is the group of a process that holds the whole
+model (size 1): every collective is then a no-op. A group of several processes talks through a torch.distributed
+backend made for it alone (NCCL between GPUs, gloo between CPU processes), not through torch's default
+process group, so one process may hold several engines. Rank 0 is the engine's own process; it hosts the
+rendezvous store (`host_store`), the other ranks connect to it (`ParallelGroup.connect`).
+
+Collectives are issued on the current CUDA stream's order (NCCL: on the backend's stream, fenced by events
+with the current stream), so they can be captured in CUDA graphs.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+STORE_HOST = "127.0.0.1"  # one host: every rank is a process of this machine
+STORE_TIMEOUT = timedelta(minutes=5)  # ranks that do not reach the rendezvous by then fail to start
+# A collective that waits longer than this fails (the backend's own watchdog). Start-up collectives wait for
+# the slowest rank's weight load; a dead rank is noticed long before by the worker monitor.
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+class ParallelGroup:
+    """One process's place in a tensor-parallel group: `rank` of `size`, and the collectives between them.
+
+    Tensors passed to the collectives live on `device` (CUDA for NCCL, CPU for gloo). Every rank must call
+    the same collectives in the same order."""
+
+    def __init__(self, rank: int, size: int, device: torch.device, backend=None):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is outside a group of {size}")
+        if size > 1 and backend is None:
+            raise ValueError("a group of several ranks needs a backend")
+        self.rank, self.size, self.device = rank, size, torch.device(device)
+        self._backend = backend
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def connect(cls, store: dist.Store, rank: int, size: int, device: torch.device) -> "ParallelGroup":
+        """Join the group of `size` ranks that meets at `store` (NCCL on CUDA devices, gloo on the CPU); returns
+        when every rank has joined."""
+        device = torch.device(device)
+        prefixed = dist.PrefixStore("loraserve-tp", store)
+        if device.type == "cuda":
+            options = dist.ProcessGroupNCCL.Options()
+            options.is_high_priority_stream = False
+            options._timeout = COLLECTIVE_TIMEOUT
+            options.global_ranks_in_group = list(range(size))
+            options.group_name = "loraserve-tp"
+            backend = dist.ProcessGroupNCCL(prefixed, rank, size, options)
+        else:
+            backend = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
+        group = cls(rank, size, device, backend)
+        group.barrier()  # every rank is there (and NCCL's communicator is made now, not inside a graph capture)
+        return group
+
+    # -- collectives (no-ops for a group of one) -------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """x (contiguous) <- the elementwise sum (or "min", "max") of x over the ranks, in place; returns x."""
+        if self.size > 1:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+            self._backend.allreduce([x], opts).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., N] on each rank -> [..., size * N]: the ranks' x side by side along the last dimension."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self._backend.allgather([parts], [x.contiguous()]).wait()
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """x (contiguous) <- rank src's x, in place; returns x."""
+        if self.size > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            self._backend.broadcast([x], opts).wait()
+        return x
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.all_reduce(torch.zeros(1, device=self.device))
+
+    def agree(self, values: list[int], op: str) -> list[int]:
+        """Host integers reduced over the ranks ("min" or "max"): how ranks agree on a size or a verdict."""
+        if self.size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        return [int(v) for v in self.all_reduce(t, op).tolist()]
+
+    # -- the end ------------------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Break off collectives in flight (a peer died): they fail instead of waiting for it forever."""
+        if self._backend is not None:
+            try:
+                self._backend.abort()
+            except (RuntimeError, AttributeError):  # not every backend and release can abort
+                pass
+
+    def close(self) -> None:
+        """Leave the group (collectives fail afterwards)."""
+        backend, self._backend = self._backend, None
+        if backend is not None and hasattr(backend, "shutdown"):
+            try:
+                backend.shutdown()
+            except RuntimeError:
+                pass
+
+
+NO_PARALLEL = ParallelGroup(0, 1, torch.device("cpu"))  # the whole model in one process: no collectives
+
+
+def host_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free local port (`store.port` tells the other ranks)."""
+    return dist.TCPStore(STORE_HOST, 0, size, is_master=True, timeout=STORE_TIMEOUT, wait_for_workers=False)
+
+
+def join_store(port: int, size: int) -> dist.TCPStore:
+    """A non-zero rank's connection to rank 0's store."""
+    return dist.TCPStore(STORE_HOST, port, size, is_master=False, timeout=STORE_TIMEOUT)
