@@ -206,6 +206,9 @@ class EngineArgs:
         self._cache()
         self._lora()
         self._parallel()
+        if self.tensor_parallel_size > 1 and self.lora_reader == "process":
+            raise ValueError("lora_reader='process' is not available with tensor parallelism (rank 0 reads "
+                             "adapters on a thread and cuts every rank's part): use 'auto' or 'thread'")
 
     def create_config(self, max_position_embeddings: int) -> EngineConfig:
         """The engine's config for a model of this many positions."""

@@ -1,7 +1,8 @@
-"""Errors the engine raises for bad input; each names the problem.
+"""Errors the engine raises; each names the problem.
 
-All are ValueError subclasses so `except ValueError` catches every bad-input
-case; the server maps each class to its HTTP status.
+Bad input: ValueError subclasses, so `except ValueError` catches every
+bad-input case; the server maps each class to its HTTP status. An engine that
+can't go on raises EngineDeadError (the server answers 503 and exits).
 """
 
 
@@ -23,3 +24,11 @@ class LoRAConflictError(ValueError):
 
 class ModelLoadError(ValueError):
     """The model can't be loaded: path, files, or architecture (names which)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine can't serve any more requests (HTTP 503); only a new engine can."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A worker process of a tensor-parallel engine died (names which, its exit code and its error)."""

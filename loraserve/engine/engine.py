@@ -8,29 +8,40 @@ takes the tokens it needs from the device (Sequence.num_pending_tokens); a
 sequence that the tokens read afterwards finish computed one token too many,
 which is dropped. Outputs come one call later; greedy and seeded results are
 the same as with `async_scheduling=False`.
+
+With `tensor_parallel_size` N > 1 the engine's process is rank 0: it holds the
+scheduler, the block manager, the LoRA manager and its own part of the model;
+ranks 1..N-1 run in worker processes (loraserve.worker.processes) that follow
+its steps. A worker that dies, or a step that fails on rank 0 (the ranks are
+out of step then), makes every later call of `step` raise EngineDeadError
+(WorkerDiedError names the worker); `shutdown` stops the workers, which also
+happens when the engine is garbage-collected or the interpreter exits.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
+import weakref
+from dataclasses import replace
 
 from loraserve.config import EngineArgs, EngineConfig
 from loraserve.engine.block_manager import BlockManager
 from loraserve.engine.detokenizer import append_new_text, find_stop_string
 from loraserve.engine.scheduler import Scheduler
 from loraserve.engine.stats import EngineStats
-from loraserve.errors import InvalidRequestError, PromptTooLongError, UnknownLoRAError
+from loraserve.distributed import NO_PARALLEL
+from loraserve.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, UnknownLoRAError, WorkerDiedError
 from loraserve.lora.adapter import LoRAAdapterError
 from loraserve.lora.manager import LoRAManager
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import resolve_adapter_name
-from loraserve.lora.runtime import KVRoom, LoRARuntime
 from loraserve.models.loader import LoadedModel, open_model
 from loraserve.outputs import CompletionOutput, RequestOutput
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import SchedulerOutput, Sequence, SequenceStatus
-from loraserve.worker.model_runner import LaunchedStep, ModelRunner, kv_cache_need
+from loraserve.worker.model_runner import LaunchedStep, ModelRunner
+from loraserve.worker.processes import TensorParallelWorkers
 
 logger = logging.getLogger(__name__)
 
@@ -39,21 +50,19 @@ class LLMEngine:
     """The synchronous engine. Not thread-safe: call it from one thread (AsyncLLMEngine does).
 
     Build it with `LLMEngine.from_args(EngineArgs(...))`; `__init__` takes the resolved config and the
-    loaded model."""
+    loaded model (rank 0's part of it, with the other ranks' `workers`, for tensor parallelism)."""
 
-    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, workers: TensorParallelWorkers | None = None):
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.hf_config = loaded.hf_config
         self.eos_token_ids = set(loaded.generation_eos_ids)
-        self.lora_manager: LoRAManager | None = None
-        runtime = None
-        if config.lora is not None:
-            kv_room = KVRoom(*kv_cache_need(loaded.model, config)) if config.model.device.type == "cuda" else None
-            runtime = LoRARuntime(loaded.model, config.lora, config.scheduler.max_step_tokens, loaded.name, kv_room)
-            self.lora_manager = LoRAManager(runtime)
-        self.runner = ModelRunner(loaded.model, config, runtime, frozenset(self.eos_token_ids))
+        self.workers = workers
+        self._dead: str | None = None  # why the engine can't step any more
+        self.runner = ModelRunner.build(loaded.model, config, loaded.name, frozenset(self.eos_token_ids),
+                                        workers.group if workers is not None else NO_PARALLEL, workers)
+        self.lora_manager = LoRAManager(self.runner.lora) if self.runner.lora is not None else None
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, config.lora, self.lora_manager)
@@ -61,14 +70,35 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._lora_waits: dict[str, list[Sequence]] = {}  # adapter read in the background -> requests for it
+        self._stop_workers = weakref.finalize(self, workers.close) if workers is not None else None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLMEngine":
-        """Check the options, read the model's config, resolve the engine's config, then load the model."""
+        """Check the options, read the model's config, resolve the engine's config, then load the model (with
+        tensor parallelism: start the workers, which load their parts meanwhile)."""
         args.check()  # settings that don't depend on the model fail before anything is read
         source = open_model(args.model)
         config = args.create_config(source.max_position_embeddings)
-        return cls(config, source.load(config.model.device, config.model.dtype, args.tokenizer, args.chat_template))
+        if config.parallel.tensor_parallel_size == 1:
+            return cls(config, source.load(config.model.device, config.model.dtype, args.tokenizer,
+                                           args.chat_template))
+        config = replace(config, model=replace(config.model,
+                                               device=config.parallel.device_of(config.model.device, 0)))
+        workers = TensorParallelWorkers(config)
+        try:
+            with workers.guard():
+                tp = workers.connect(config.model.device)
+                loaded = source.load(config.model.device, config.model.dtype, args.tokenizer, args.chat_template, tp)
+                return cls(config, loaded, workers)
+        except BaseException:
+            workers.close()
+            raise
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel engine (it can't step afterwards); idempotent."""
+        if self._stop_workers is not None:
+            self._stop_workers()
+            self._dead = self._dead or "the engine was shut down"
 
     @property
     def max_model_len(self) -> int:
@@ -205,6 +235,22 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Launch the next step, then return the outputs of the step launched before it (with
         async_scheduling) or of this one (without)."""
+        if self.workers is None:
+            return self._step()
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        try:
+            with self.workers.guard():
+                return self._step()
+        except WorkerDiedError as exc:
+            self._dead = str(exc)
+            raise
+        except Exception as exc:  # the other ranks may wait in a collective that rank 0 never reached
+            self._dead = f"a step failed on rank 0 of the tensor-parallel engine, whose ranks are out of step: {exc}"
+            self.shutdown()
+            raise EngineDeadError(self._dead) from exc
+
+    def _step(self) -> list[RequestOutput]:
         admitted = self._admit_lora_waits() if self._lora_waits else []
         in_flight, self._in_flight = self._in_flight, None
         outputs = admitted + self._launch(self.scheduler.schedule(), in_flight)

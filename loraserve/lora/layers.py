@@ -51,6 +51,8 @@ class LoRALinear(nn.Module):
         self.slice_names = slice_names
         self.gemm_first = gemm_first  # beside the GEMM: issue the GEMM before the LoRA kernels (GEMM_FIRST_LAYERS)
         self.factored = factored  # larger CUDA steps: return the product as factors (FACTORED_LAYERS)
+        # tensor parallel, row-parallel base: the all-reduce of the shrink's partial sums before the expand
+        self.reduce = base.lora_reduce
         self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
         if len(self.slice_offsets) != len(slice_names) + 1:
             raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
@@ -90,10 +92,12 @@ class LoRALinear(nn.Module):
         if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
             y = self.base(x).y
             if self.factored and x.is_cuda:
-                return LinearOutput(y, lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, lora.meta,
-                                                    self.slice_offsets))
+                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets)
+                if self.reduce is not None:
+                    self.reduce(factors.inter)
+                return LinearOutput(y, factors)
             apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
-            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets)
+            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets, self.reduce)
             return LinearOutput(y, None)
         return self._forward_beside(x, lora.meta, side)
 
@@ -129,7 +133,8 @@ class LoRALinear(nn.Module):
         launch of its kernel shape, made here if none fits, and keep it for x's token count; returns the delta."""
         bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
         if bound is None:  # a new kernel shape (or new buffers): launched and bound by the kernels' wrappers
-            delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
+            delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets,
+                                      self.reduce)
         else:
             delta = bound(x)
         self._bound[x.shape[0]] = bound

@@ -83,7 +83,9 @@ class LoRAManager:
         self._retired: dict[str, _Registered] = {}  # unregistered while requests were in flight
         self._reading: dict[str, Future] = {}  # disk reads on the worker thread
         self._registering: dict[str, tuple[str, Future]] = {}  # name -> (path, its read): start_register
-        self._reader = make_reader(self.config.lora_reader,
+        # with tensor parallelism rank 0 cuts every rank's part from the adapter it read: on a thread here
+        reader_kind = "thread" if runtime.tp.is_parallel else self.config.lora_reader
+        self._reader = make_reader(reader_kind,
                                    ReaderSetup(runtime.spec, self.config.max_lora_rank, runtime.packer),
                                    runtime.pins_host_memory)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")

@@ -92,6 +92,9 @@ class PackedAdapter:
     data: torch.Tensor  # [pages, width], pinned on CUDA
     span_start: int
     ranks: torch.Tensor  # [layers] int32: its rank in each LoRA layer (0: not targeted)
+    # tensor parallel: the other ranks' parts in the same layout, [ranks - 1, pages, width] in shared memory
+    # (lora.runtime.LoRARuntime.pack makes them on rank 0); None with one rank
+    peer_data: torch.Tensor | None = None
 
     @property
     def num_pages(self) -> int:
@@ -99,7 +102,8 @@ class PackedAdapter:
 
     @property
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size()
+        peers = self.peer_data.numel() if self.peer_data is not None else 0
+        return (self.data.numel() + peers) * self.data.element_size()
 
 
 @dataclass(frozen=True)
@@ -111,10 +115,13 @@ class AdapterPacker:
     layers: tuple[tuple[int, tuple[str, ...]], ...]  # per LoRA layer (layout order): decoder layer index, slice modules
     dtype: torch.dtype
 
-    def _plan(self, adapter: LoRAAdapter):
-        """Per layer, per slice (A [r, in], B [out_s, r]) or None; the targeted layers; the adapter's rank per
-        layer ([layers] int32, 0: not targeted); where its span starts in a page; (pages, width) of its data."""
-        weights = [[adapter.weights.get((layer_index, m)) for m in names] for layer_index, names in self.layers]
+    def layer_weights(self, adapter: LoRAAdapter) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
+        """Per LoRA layer (layout order), per slice: the adapter's (A [r, in], B [out_s, r]), or None."""
+        return [[adapter.weights.get((layer_index, m)) for m in names] for layer_index, names in self.layers]
+
+    def _plan(self, weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]]):
+        """The targeted layers of `weights` (layer_weights' form); the adapter's rank per layer ([layers] int32,
+        0: not targeted); where its span starts in a page; (pages, width) of its data."""
         targeted = [i for i, slices in enumerate(weights) if any(p is not None for p in slices)]
         if not targeted:
             raise ValueError("the adapter targets no LoRA layer")
@@ -124,16 +131,21 @@ class AdapterPacker:
         regions = self.layout.regions
         start = min(regions[i].a_offset for i in targeted)
         shape = (cdiv(int(ranks.max()), PAGE_RANK), max(regions[i].end for i in targeted) - start)
-        return weights, targeted, ranks, start, shape
+        return targeted, ranks, start, shape
 
     def shape_of(self, adapter: LoRAAdapter) -> tuple[int, int]:
         """(pages, width) of the adapter's packed data."""
-        return self._plan(adapter)[-1]
+        return self._plan(self.layer_weights(adapter))[-1]
 
     def pack(self, adapter: LoRAAdapter, data: torch.Tensor | None = None, pin: bool = False) -> PackedAdapter:
         """The adapter in page layout, written into `data` (zeros of self.dtype, shape_of(adapter)) when given,
         else into new host memory (pinned with `pin`). Weights are cast to self.dtype as they are copied."""
-        weights, targeted, ranks, start, shape = self._plan(adapter)
+        return self.pack_layers(self.layer_weights(adapter), data, pin)
+
+    def pack_layers(self, weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]],
+                    data: torch.Tensor | None = None, pin: bool = False) -> PackedAdapter:
+        """`pack` of weights given per layer and slice (layer_weights' form), e.g. one tensor-parallel rank's part."""
+        targeted, ranks, start, shape = self._plan(weights)
         if data is None:
             data = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)  # [pages, width]
         elif tuple(data.shape) != shape or data.dtype != self.dtype:
@@ -216,7 +228,11 @@ class AdapterPool:
     def write(self, adapter_id: int, packed: PackedAdapter) -> None:
         """Copy a packed adapter into its pages and its rows of the page and rank tables (on the current
         stream; the host buffers must stay alive until the copy is done)."""
-        pages = self._pages_of[adapter_id]
+        self.write_at(adapter_id, self._pages_of[adapter_id], packed)
+
+    def write_at(self, adapter_id: int, pages: list[int], packed: PackedAdapter) -> None:
+        """`write` to pages and an id chosen elsewhere: another rank's pool of a tensor-parallel group holds
+        each adapter at the id and pages rank 0's pool gave it."""
         if len(pages) != packed.num_pages:
             raise ValueError(f"adapter id {adapter_id} holds {len(pages)} pages, the adapter needs {packed.num_pages}")
         end = packed.span_start + packed.data.shape[1]

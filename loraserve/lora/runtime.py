@@ -1,6 +1,12 @@
 """The LoRA runtime's one owner: the model's LoRA layers, the adapter pool they read, the step metadata, and
 the side stream with its scratch.
 
+With tensor parallelism every rank has its own runtime over its part of the
+model (`tp`), whose pool holds its part of each adapter at the same id and
+pages on every rank: rank 0's LoRA manager decides, rank 0's runtime packs
+every rank's part (`pack`) and keeps the loads the other ranks repeat
+(`take_peer_loads`, sent with the next step; `load_peer` there).
+
 The model runner speaks to it through three calls: `for_step(token_adapters)`
 before an eager forward pass (writes the step's token -> adapter metadata and
 returns the pass's LoRA state, the ForwardContext's `lora`), `for_capture()`
@@ -22,6 +28,7 @@ import torch
 from torch import nn
 
 from loraserve.config import LoRAConfig
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
@@ -59,6 +66,53 @@ class LoRABatch:
     side: LoRASideStream | None  # decode-sized products beside the base GEMMs (CUDA); None: in place, in order
 
 
+@dataclass
+class PeerLoad:
+    """An adapter rank 0 loaded, for the other ranks of a tensor-parallel group to load at the same id and
+    pages, each its own part: rank r's is data[r - 1] (shared memory, sent to r's process without a copy)."""
+
+    adapter_id: int
+    pages: list[int]
+    data: torch.Tensor  # [ranks - 1, pages, width]
+    span_start: int
+    ranks: np.ndarray  # [layers] int32: the adapter's rank in each LoRA layer
+
+
+class TensorParallelPacker:
+    """Packs adapters for a tensor-parallel group in rank 0's process: this rank's part of each LoRA layer (the
+    base layer's split, `lora_shard`) in page layout, and the other ranks' parts in the same layout beside it
+    (`PackedAdapter.peer_data`, shared memory: sent to their processes without a copy)."""
+
+    def __init__(self, packer: AdapterPacker, layers: list[tuple[int, LoRALinear]], tp: ParallelGroup):
+        self.packer, self.layers, self.tp = packer, layers, tp
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packer.dtype
+
+    def pack(self, adapter: LoRAAdapter, pin: bool = False) -> PackedAdapter:
+        packed = self.pack_own(adapter, pin)
+        peers = [self.packer.pack_layers(self._rank_weights(adapter, r)).data
+                 for r in range(self.tp.size) if r != self.tp.rank]
+        packed.peer_data = torch.stack(peers).share_memory_()  # [ranks - 1, pages, width]
+        return packed
+
+    def pack_own(self, adapter: LoRAAdapter, pin: bool = False) -> PackedAdapter:
+        """This rank's part alone (an adapter every rank packs for itself: the graph check's probes)."""
+        return self.packer.pack_layers(self._rank_weights(adapter, self.tp.rank), pin=pin)
+
+    def _rank_weights(self, adapter: LoRAAdapter, rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
+        """Per LoRA layer, per slice: rank `rank`'s part of the adapter's (A, B), or None where it has none."""
+        weights = []
+        for layer_index, layer in self.layers:
+            slices = []
+            for s, module in enumerate(layer.slice_names):
+                pair = adapter.weights.get((layer_index, module))
+                slices.append(None if pair is None else layer.base.lora_shard(*pair, s, rank))
+            weights.append(slices)
+        return weights
+
+
 class LoRARuntime:
     """Wraps the model's LoRA targets in LoRALinear layers and owns everything they read at run time.
 
@@ -70,8 +124,10 @@ class LoRARuntime:
     """
 
     def __init__(self, model: nn.Module, config: LoRAConfig, max_step_tokens: int, model_name: str | None,
-                 kv_room: KVRoom | None = None):
+                 kv_room: KVRoom | None = None, tp: ParallelGroup = NO_PARALLEL):
         self.config = config
+        self.tp = tp  # the model's tensor-parallel group (its layers hold this rank's part)
+        self._peer_loads: list[PeerLoad] = []  # rank 0: loads the other ranks repeat before the next step
         self.spec: LoRAModelSpec = replace(model.lora_spec(), model_name=model_name)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -87,7 +143,9 @@ class LoRARuntime:
                              for attr, (_, layer) in zip(attrs, self.layers)])
         self.pool = AdapterPool(layout, self._num_pages(layout, kv_room), config.max_lora_rank, self.dtype,
                                 self.device)
-        self.packer = AdapterPacker(layout, tuple((i, layer.slice_names) for i, layer in self.layers), self.dtype)
+        packer = AdapterPacker(layout, tuple((i, layer.slice_names) for i, layer in self.layers), self.dtype)
+        # with several ranks, rank 0 packs every rank's part (adapters are then read on a thread: lora/reader.py)
+        self.packer = TensorParallelPacker(packer, self.layers, tp) if tp.is_parallel else packer
         for i, (_, layer) in enumerate(self.layers):
             layer.bind_pool(*self.pool.layer_views(i), self.pool.rank_width)
         logger.info("LoRA adapter pool: %.2f GiB, %d pages of %d ranks (%.1f MiB each); it holds %s adapters "
@@ -146,8 +204,12 @@ class LoRARuntime:
         return self.side.for_this_pass() if self.side is not None else None
 
     # -- the pool -------------------------------------------------------------------------------
-    def pack(self, adapter: LoRAAdapter) -> PackedAdapter:
-        """The adapter in page layout in host memory (pinned on CUDA); touches no device state (any thread)."""
+    def pack(self, adapter: LoRAAdapter, local_only: bool = False) -> PackedAdapter:
+        """The adapter in page layout in host memory (pinned on CUDA); touches no device state (any thread).
+        With several ranks it also holds the other ranks' parts (`peer_data`), unless local_only (an adapter
+        every rank packs for itself)."""
+        if self.tp.is_parallel and local_only:
+            return self.packer.pack_own(adapter, pin=self.pins_host_memory)
         return self.packer.pack(adapter, pin=self.pins_host_memory)
 
     @property
@@ -160,7 +222,10 @@ class LoRARuntime:
         that marks the copy done (on the load stream, so it overlaps the step in flight). Before a step reads
         the adapter, the stream that runs it must wait for the event (`wait_for`). The pages must hold no adapter
         a step in flight reads (the manager releases only adapters with no request running)."""
-        adapter_id, _ = self.pool.allocate(packed.num_pages)
+        adapter_id, pages = self.pool.allocate(packed.num_pages)
+        if packed.peer_data is not None:
+            self._peer_loads.append(PeerLoad(adapter_id, pages, packed.peer_data, packed.span_start,
+                                             packed.ranks.numpy().copy()))
         if self._load_stream is None:
             self.pool.write(adapter_id, packed)
             return adapter_id, None
@@ -169,6 +234,24 @@ class LoRARuntime:
             done = torch.cuda.Event()
             done.record(self._load_stream)
         return adapter_id, done
+
+    def take_peer_loads(self) -> list[PeerLoad]:
+        """Rank 0: the loads since the last call, for the other ranks to repeat before the next step."""
+        loads, self._peer_loads = self._peer_loads, []
+        return loads
+
+    def load_peer(self, load: PeerLoad) -> None:
+        """Rank r > 0: write its part of an adapter rank 0 loaded, at the same id and pages; the current stream
+        is ordered after the copy."""
+        packed = PackedAdapter(load.data[self.tp.rank - 1], load.span_start, torch.from_numpy(load.ranks))
+        if self._load_stream is None:
+            self.pool.write_at(load.adapter_id, load.pages, packed)
+            return
+        with torch.cuda.stream(self._load_stream):
+            self.pool.write_at(load.adapter_id, load.pages, packed)
+            done = torch.cuda.Event()
+            done.record(self._load_stream)
+        self.wait_for(done)
 
     def wait_for(self, event: torch.cuda.Event | None) -> None:
         """Order the current stream after a load."""

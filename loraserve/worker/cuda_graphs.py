@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from tqdm import tqdm
 
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.forward_context import AttentionMetadata, ForwardContext
 from loraserve.lora.runtime import LoRARuntime
 from loraserve.worker.step_inputs import PendingTokenFill, StepInputs
@@ -67,8 +68,9 @@ class CUDAGraphRunner:
     """capture / replay of decode steps of up to `max_batch` sequences."""
 
     def __init__(self, model, max_batch: int, max_blocks: int, block_size: int, dummy_block: int,
-                 lora: LoRARuntime | None = None):
+                 lora: LoRARuntime | None = None, tp: ParallelGroup = NO_PARALLEL):
         self.model = model
+        self.tp = tp  # the graphs hold the model's collectives; input tokens still on rank 0 are broadcast
         self.max_batch, self.max_blocks, self.block_size = max_batch, max_blocks, block_size
         self.dummy_block = dummy_block
         self.device = next(model.parameters()).device
@@ -156,9 +158,12 @@ class CUDAGraphRunner:
         states of its n rows [n, D] (a view of the graph's static output). `fill` writes tokens still on the
         device into the input ids."""
         bucket = self.bucket_for(inputs.num_tokens)
+        share = self.tp.is_parallel and inputs.has_pending_tokens
         self.write_inputs(inputs, bucket)
         if fill is not None:
             fill.apply(self.inputs.input_ids)
+        if share:
+            self.tp.broadcast(self.inputs.input_ids[:bucket])  # the tokens still on rank 0's device, to every rank
         self.graphs[bucket].replay()
         return self.outputs[bucket][:inputs.num_tokens]
 

@@ -1,4 +1,13 @@
-"""Runs one scheduled step on the device: step inputs -> forward (graph or eager) -> logits -> sampled tokens."""
+"""Runs one scheduled step on the device: step inputs -> forward (graph or eager) -> logits -> sampled tokens.
+
+With tensor parallelism every rank has a ModelRunner over its part of the
+model; all of them run the same device work in the same order (their layers'
+collectives meet). Rank 0's runner is the engine's: `execute` prepares the
+step, sends it to the other ranks once (`followers`, the worker processes),
+runs it and samples; the other ranks' runners `follow` the steps they get.
+Start-up (the KV cache's size, the warm-up, graph capture and the graph check)
+runs on every rank, the ranks agreeing on sizes and verdicts.
+"""
 from __future__ import annotations
 
 import logging
@@ -9,14 +18,15 @@ import numpy as np
 import torch
 
 from loraserve.config import EngineConfig
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.forward_context import AttentionMetadata, ForwardContext
-from loraserve.lora.runtime import LoRARuntime
+from loraserve.lora.runtime import KVRoom, LoRARuntime
 from loraserve.models.attention import PagedAttention
 from loraserve.sequence import Sequence, SchedulerOutput
 from loraserve.worker.cuda_graphs import CUDAGraphRunner
 from loraserve.worker.graph_check import verify_graphs
 from loraserve.worker.sampler import PromptLogprobs, SampledTokens, Sampler, TokenHistory
-from loraserve.worker.step_inputs import PendingTokenFill, PromptLogprobRows, StepInputs
+from loraserve.worker.step_inputs import DeviceStep, PendingTokenFill, PromptLogprobRows, StepInputs
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +60,14 @@ def kv_cache_need(model, config: EngineConfig) -> tuple[int, int]:
     return kv_room_bytes(model, config), useful_kv_blocks(config) * block
 
 
+class StepFollowers:
+    """Where rank 0's runner sends each step for the other ranks of a tensor-parallel group (the engine's
+    worker processes, loraserve.worker.processes)."""
+
+    def send(self, step: DeviceStep) -> None:
+        raise NotImplementedError
+
+
 @dataclass
 class LaunchedStep:
     """A step launched on the device: the sequences that sample (in row order) and their samples."""
@@ -60,12 +78,17 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    """Owns the model's device state: KV cache, sampler, CUDA graphs; LoRA state through the LoRA runtime."""
+    """Owns the model's device state: KV cache, sampler, CUDA graphs; LoRA state through the LoRA runtime.
+
+    `tp`: the model's tensor-parallel group; `followers` (rank 0 of several ranks): where each step goes for
+    the other ranks."""
 
     def __init__(self, model, config: EngineConfig, lora: LoRARuntime | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), tp: ParallelGroup = NO_PARALLEL,
+                 followers: StepFollowers | None = None):
         self.model = model
         self.config = config
+        self.tp, self.followers = tp, followers
         self.device, self.dtype = config.model.device, config.model.dtype
         self.block_size = config.cache.block_size
         self.max_blocks_per_seq = -(-config.model.max_model_len // self.block_size)
@@ -81,9 +104,22 @@ class ModelRunner:
             self.warm_up_eager()
         if self.device.type == "cuda" and not config.enforce_eager:
             self.graph_runner = CUDAGraphRunner(model, config.scheduler.max_num_seqs, self.max_blocks_per_seq,
-                                                self.block_size, self.dummy_block, lora)
+                                                self.block_size, self.dummy_block, lora, tp)
             self.graph_runner.capture()
             verify_graphs(self)
+
+    @classmethod
+    def build(cls, model, config: EngineConfig, model_name: str | None, eos_token_ids: frozenset[int] = frozenset(),
+              tp: ParallelGroup = NO_PARALLEL, followers: StepFollowers | None = None) -> "ModelRunner":
+        """The runner of a loaded model, with the LoRA runtime when the config enables LoRA (its adapter pool
+        sized against the room the KV cache would have, the same on every rank)."""
+        lora = None
+        if config.lora is not None:
+            kv_room = None
+            if config.model.device.type == "cuda":
+                kv_room = KVRoom(*tp.agree(list(kv_cache_need(model, config)), "min"))
+            lora = LoRARuntime(model, config.lora, config.scheduler.max_step_tokens, model_name, kv_room, tp)
+        return cls(model, config, lora, eos_token_ids, tp, followers)
 
     # -- KV cache -----------------------------------------------------------
     def _bytes_per_block(self) -> int:
@@ -98,6 +134,7 @@ class ModelRunner:
             blocks = min(useful, kv_room_bytes(self.model, self.config) // self._bytes_per_block())
         else:
             blocks = min(useful, int(cache.cpu_kv_cache_gb * 2**30 // self._bytes_per_block()))
+        blocks = self.tp.agree([blocks], "min")[0]  # every rank's cache holds the same blocks
         if blocks * self.block_size < self.config.model.max_model_len:
             raise ValueError(f"the KV cache holds {blocks} blocks of {self.block_size} tokens, fewer than one "
                              f"sequence of max_model_len={self.config.model.max_model_len} needs; lower "
@@ -147,38 +184,38 @@ class ModelRunner:
         lora = None
         if self.lora is not None and (inputs.token_adapters >= 0).any():
             lora = self.lora.for_step(inputs.token_adapters)
-        input_ids = self._to_device(inputs.input_ids)
+        share = self.tp.is_parallel and inputs.has_pending_tokens  # (asked before the fill: on the CPU the
+        input_ids = self._to_device(inputs.input_ids)                # device ids are the host array itself)
         if fill is not None:
             fill.apply(input_ids)
+        if share:
+            self.tp.broadcast(input_ids)  # the tokens still on rank 0's device reach every rank
         hidden = self.model(input_ids, self._to_device(inputs.positions), ForwardContext(attn, lora))
         return hidden[self._to_device(inputs.logits_rows if rows is None else rows)]
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, lora_ids: dict[str, int],
                 in_flight: LaunchedStep | None = None) -> LaunchedStep:
-        """Launch the step without waiting for it (lora_ids: adapter name -> its id in the GPU adapter pool). Input tokens that
-        are still pending on the host are taken from `in_flight`'s samples on the device."""
+        """Launch the step without waiting for it (lora_ids: adapter name -> its id in the GPU adapter pool). Input
+        tokens that are still pending on the host are taken from `in_flight`'s samples on the device. With several
+        ranks the step goes to the others first, with the adapter loads they repeat before it."""
         inputs = StepInputs.prepare(out.scheduled, lora_ids, self.block_size)
         samples = in_flight.samples if in_flight is not None else None
         fill = PendingTokenFill.find(inputs, out.scheduled, in_flight.sequences if in_flight else [],
                                      samples.tokens if samples is not None else None)
         prompt_rows = PromptLogprobRows.find(out.scheduled, inputs.query_start_loc)
-        prompt = None
-        if prompt_rows is None and self.graph_runner is not None and self.graph_runner.can_replay(inputs):
-            hidden = self.graph_runner.replay(inputs, fill)  # [T, D]
-            if inputs.logits_rows.shape[0] != inputs.num_tokens:  # a row that does not sample (a prompt chunk)
-                hidden = hidden[self._to_device(inputs.logits_rows)]
-        elif prompt_rows is None:
-            hidden = self.forward_eager(inputs, fill)
-        else:  # the sampled rows, then the rows that score prompt tokens
-            both = self.forward_eager(inputs, fill, np.concatenate([inputs.logits_rows, prompt_rows.rows]))
-            hidden = both[:inputs.logits_rows.shape[0]]
-            prompt = (prompt_rows, PromptLogprobs(self.model.compute_logits(both[hidden.shape[0]:]),
-                                                  prompt_rows.targets, prompt_rows.num_top))
         sampling = [s for s in out.scheduled if s.samples]
+        step = DeviceStep(inputs, prompt_rows.rows if prompt_rows is not None else None, bool(sampling))
+        if self.followers is not None:
+            if self.lora is not None:
+                step.adapter_loads = self.lora.take_peer_loads()
+            self.followers.send(step)
+        logits, prompt_logits = self.run(step, fill)
+        prompt = None
+        if prompt_rows is not None:
+            prompt = (prompt_rows, PromptLogprobs(prompt_logits, prompt_rows.targets, prompt_rows.num_top))
         if not sampling:
             return LaunchedStep([], None, prompt)
-        logits = self.model.compute_logits(hidden)  # [N, V]
         seqs = [s.seq for s in sampling]
         params = [seq.sampling_params for seq in seqs]
         history = None
@@ -190,3 +227,30 @@ class ModelRunner:
         tokens = self.sampler(logits, [seq.request_id for seq in seqs], params,
                               [len(seq.output_token_ids) + seq.num_pending_tokens for seq in seqs], history)
         return LaunchedStep(seqs, tokens, prompt)
+
+    @torch.inference_mode()
+    def run(self, step: DeviceStep, fill: PendingTokenFill | None = None
+            ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The device work of a step, the same on every rank: the forward pass (a graph replay for a decode
+        step that fits a bucket, else eager), then the fp32 logits of the rows that score prompt tokens
+        [R, V] and of the sampled rows [N, V] (None where there are none). `fill`: rank 0's tokens still on
+        its device."""
+        inputs, prompt_logits = step.inputs, None
+        if step.prompt_rows is None and self.graph_runner is not None and self.graph_runner.can_replay(inputs):
+            hidden = self.graph_runner.replay(inputs, fill)  # [T, D]
+            if inputs.logits_rows.shape[0] != inputs.num_tokens:  # a row that does not sample (a prompt chunk)
+                hidden = hidden[self._to_device(inputs.logits_rows)]
+        elif step.prompt_rows is None:
+            hidden = self.forward_eager(inputs, fill)
+        else:  # the sampled rows, then the rows that score prompt tokens
+            both = self.forward_eager(inputs, fill, np.concatenate([inputs.logits_rows, step.prompt_rows]))
+            hidden = both[:inputs.logits_rows.shape[0]]
+            prompt_logits = self.model.compute_logits(both[hidden.shape[0]:])
+        logits = self.model.compute_logits(hidden) if step.samples else None  # [N, V]
+        return logits, prompt_logits
+
+    def follow(self, step: DeviceStep) -> None:
+        """A rank other than 0: load the adapters rank 0 loaded since the last step, then run the step."""
+        for load in step.adapter_loads:
+            self.lora.load_peer(load)
+        self.run(step)

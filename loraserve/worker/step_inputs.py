@@ -8,7 +8,7 @@ recompute after preemption are all this one shape.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -37,6 +37,11 @@ class StepInputs:
     @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
+
+    @property
+    def has_pending_tokens(self) -> bool:
+        """Whether some input token is still on the device (sampled by the step in flight)."""
+        return bool((self.input_ids == PENDING_TOKEN).any())
 
     @classmethod
     def prepare(cls, scheduled: list[ScheduledSequence], lora_ids: dict[str, int], block_size: int
@@ -116,6 +121,18 @@ class StepInputs:
         ints = np.zeros(0, np.int64)
         return cls(ints, ints, ints, np.zeros((0, 0), np.int32), np.zeros(0, np.int32), np.zeros(1, np.int32),
                    np.zeros(0, np.int32), ints, 1)
+
+
+@dataclass
+class DeviceStep:
+    """What every rank of a tensor-parallel group computes for one step (ModelRunner.run): the inputs, the
+    rows that score prompt tokens, whether the sampled rows' logits are needed; and the adapter loads the
+    ranks other than 0 repeat before it (lora.runtime.PeerLoad). Sent once per step to each other rank."""
+
+    inputs: StepInputs
+    prompt_rows: np.ndarray | None  # [R] int64 rows of the step that score prompt tokens (PromptLogprobRows)
+    samples: bool  # some row samples: the logits of inputs.logits_rows are computed
+    adapter_loads: list = field(default_factory=list)  # [PeerLoad] in load order
 
 
 @dataclass

@@ -1,0 +1,73 @@
+"""What runs in the worker process of rank r > 0 of a tensor-parallel engine.
+
+It joins rank 0's group, loads its part of the model, builds its ModelRunner
+(the same start-up as rank 0's, in step with it), then follows the steps rank 0
+sends (`ModelRunner.follow`) until it is told to stop (None), its command pipe
+closes, or rank 0's process goes away (then it exits at once, wherever it is:
+a collective waiting for rank 0 would never end). Ctrl-C is rank 0's to
+handle; SIGTERM ends the process. An error is reported to rank 0 before the
+process exits non-zero.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+import traceback
+from dataclasses import replace
+
+import torch
+
+from loraserve.config import EngineConfig
+from loraserve.distributed import ParallelGroup, join_store
+from loraserve.models.loader import open_model
+from loraserve.worker.model_runner import ModelRunner
+
+
+def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, events) -> None:
+    """The process's entry (spawned): commands: the pipe DeviceSteps arrive on; events: where errors go."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _exit_with_parent()
+    tp = None
+    try:
+        device = config.parallel.device_of(config.model.device, rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the ranks share the machine's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
+        config = replace(config, model=replace(config.model, device=device))
+        tp = ParallelGroup.connect(join_store(store_port, size), rank, size, device)
+        model = open_model(config.model.model).load_model(device, config.model.dtype, tp)
+        runner = ModelRunner.build(model, config, None, tp=tp)
+        while True:
+            try:
+                step = commands.recv()
+            except EOFError:  # rank 0 closed the pipe (or is gone)
+                break
+            if step is None:
+                break
+            runner.follow(step)
+    except BaseException:
+        try:
+            events.send(traceback.format_exc())
+        except OSError:
+            pass
+        raise
+    finally:
+        if tp is not None:
+            tp.close()
+
+
+def _exit_with_parent() -> None:
+    """End this process as soon as rank 0's process ends, even inside a collective that waits for it."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="loraserve-parent-watch", daemon=True).start()
