@@ -5,7 +5,9 @@ stats, chat templates) is a command handed to that thread through a locked
 queue and answered through a future. The thread runs commands, then one engine
 step while requests are unfinished, and sleeps on a condition when idle.
 Outputs go back to the asyncio loop that asked for them with
-`loop.call_soon_threadsafe`.
+`loop.call_soon_threadsafe`. An engine that dies (EngineDeadError: a
+tensor-parallel worker died) ends the thread: every request and call gets
+EngineClosedError (HTTP 503) and `on_dead` is called with the error.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Sequence, TypeVar
 
 from loraserve.engine.stats import EngineStats
-from loraserve.errors import InvalidRequestError
+from loraserve.errors import EngineDeadError, InvalidRequestError
 from loraserve.lora.request import LoRARequest
 from loraserve.outputs import RequestOutput
 from loraserve.sampling_params import SamplingParams
@@ -94,10 +96,13 @@ class AsyncLLMEngine:
     QueueFullError. Call `start()` before use and `shutdown()` at the end.
     """
 
-    def __init__(self, engine: Any, *, max_waiting_requests: int = 1024):
+    def __init__(self, engine: Any, *, max_waiting_requests: int = 1024,
+                 on_dead: Callable[[BaseException], None] | None = None):
         if max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be at least 1, got {max_waiting_requests}")
         self._engine = engine
+        self._on_dead = on_dead  # called on the engine thread when the engine dies
+        self.dead: EngineDeadError | None = None  # why the engine stopped, if it died
         self._max_waiting = max_waiting_requests
         self._cond = threading.Condition()
         # Guarded by _cond:
@@ -262,13 +267,16 @@ class AsyncLLMEngine:
         try:
             self._loop()
         finally:  # also when the loop died of an unexpected error: nobody may wait forever
+            why = f"the engine stopped: {self.dead}" if self.dead is not None else "the engine stopped"
             with self._cond:
                 self._closed = True
                 pending, self._commands = self._commands, []
             for _, future in pending:
                 if future.set_running_or_notify_cancel():
-                    future.set_exception(EngineClosedError("the engine stopped"))
-            self._fail_all(EngineClosedError("the engine stopped"))
+                    future.set_exception(EngineClosedError(why))
+            self._fail_all(EngineClosedError(why))
+            if self.dead is not None and self._on_dead is not None:
+                self._on_dead(self.dead)
 
     def _loop(self) -> None:
         busy = False
@@ -287,11 +295,17 @@ class AsyncLLMEngine:
                         future.set_exception(exc)
             if self._engine.has_unfinished_requests():
                 self._step()
+                if self.dead is not None:
+                    return
             busy = self._engine.has_unfinished_requests()
 
     def _step(self) -> None:
         try:
             outputs = self._engine.step()
+        except EngineDeadError as exc:
+            logger.error("the engine died: %s", exc)
+            self.dead = exc
+            return
         except Exception as exc:
             logger.exception("engine step failed; aborting every request in flight")
             self._fail_all(EngineStepError(f"engine step failed: {exc}"))

@@ -59,7 +59,7 @@ class LLMEngine:
         self.hf_config = loaded.hf_config
         self.eos_token_ids = set(loaded.generation_eos_ids)
         self.workers = workers
-        self._dead: str | None = None  # why the engine can't step any more
+        self._dead: EngineDeadError | None = None  # why the engine can't step any more
         self.runner = ModelRunner.build(loaded.model, config, loaded.name, frozenset(self.eos_token_ids),
                                         workers.group if workers is not None else NO_PARALLEL, workers)
         self.lora_manager = LoRAManager(self.runner.lora) if self.runner.lora is not None else None
@@ -95,10 +95,13 @@ class LLMEngine:
             raise
 
     def shutdown(self) -> None:
-        """Stop the worker processes of a tensor-parallel engine (it can't step afterwards); idempotent."""
+        """Stop what the engine runs beside itself: the adapter reader (its process and thread) and the worker
+        processes of a tensor-parallel engine, which can't step afterwards; idempotent."""
+        if self.lora_manager is not None:
+            self.lora_manager.close()
         if self._stop_workers is not None:
             self._stop_workers()
-            self._dead = self._dead or "the engine was shut down"
+            self._dead = self._dead or EngineDeadError("the engine was shut down")
 
     @property
     def max_model_len(self) -> int:
@@ -123,11 +126,6 @@ class LLMEngine:
         if lora_request.path is None:
             raise InvalidRequestError(f"LoRA adapter {lora_request.name!r} has no path")
         self.lora_manager.register(lora_request.name, lora_request.path, pinned, loaded)
-
-    def close(self) -> None:
-        """Stop the adapter reader (its process and thread); the engine can't read adapters afterwards."""
-        if self.lora_manager is not None:
-            self.lora_manager.close()
 
     def remove_lora(self, name: str) -> None:
         self._require_lora("remove_lora")
@@ -238,17 +236,18 @@ class LLMEngine:
         if self.workers is None:
             return self._step()
         if self._dead is not None:
-            raise EngineDeadError(self._dead)
+            raise type(self._dead)(str(self._dead))
         try:
             with self.workers.guard():
                 return self._step()
         except WorkerDiedError as exc:
-            self._dead = str(exc)
+            self._dead = exc
             raise
         except Exception as exc:  # the other ranks may wait in a collective that rank 0 never reached
-            self._dead = f"a step failed on rank 0 of the tensor-parallel engine, whose ranks are out of step: {exc}"
+            self._dead = EngineDeadError("a step failed on rank 0 of the tensor-parallel engine, whose ranks are "
+                                         f"out of step now: {exc}")
             self.shutdown()
-            raise EngineDeadError(self._dead) from exc
+            raise self._dead from exc
 
     def _step(self) -> list[RequestOutput]:
         admitted = self._admit_lora_waits() if self._lora_waits else []

@@ -1,7 +1,10 @@
 """`loraserve serve`: its command-line flags and the function that runs the server.
 
 SIGTERM (or Ctrl-C) stops accepting connections, lets the requests in flight
-finish, stops the engine thread and returns.
+finish, stops the engine thread (and a tensor-parallel engine's workers) and
+returns. An engine that dies (a tensor-parallel worker died) answers 503 to
+the requests in flight and to new ones while the server stops, and the
+process exits with status 1.
 """
 from __future__ import annotations
 
@@ -104,7 +107,14 @@ def run_server(args: argparse.Namespace) -> None:
         enable_runtime_lora_updates=args.enable_runtime_lora_updates, lora_roots=tuple(args.lora_root),
         lora_modules=modules, allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests)
+    server = None
+
+    def stop_serving(exc: BaseException) -> None:  # the engine died: the server stops, the process fails
+        logger.error("stopping the server: %s", exc)
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, on_dead=stop_serving)
     app = build_app(async_engine, settings)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     # uvicorn handles SIGTERM/SIGINT itself: it closes the listening socket and waits for the open
@@ -116,10 +126,12 @@ def run_server(args: argparse.Namespace) -> None:
         server.run()
     finally:
         async_engine.shutdown(drain=True)
-        engine.close()
+        engine.shutdown()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         logger.info("server and engine stopped")
+    if async_engine.dead is not None:
+        raise SystemExit(f"error: {async_engine.dead}")
 
 
 def package_version() -> str:

@@ -256,7 +256,7 @@ def test_an_engine_with_the_reader_process_serves_the_same_tokens(root):
     with pytest.raises(LoRAAdapterError, match="'broken'.*cannot read adapter_model.safetensors"):
         process.generate(prompts[0], GREEDY, LoRARequest("broken"), use_tqdm=False)
     proc = process.engine.lora_manager.reader._children[0].proc
-    process.engine.close()
+    process.engine.shutdown()
     assert proc.poll() is not None
 
 
@@ -285,4 +285,4 @@ def test_add_request_reads_a_new_adapter_in_the_background(root):
         assert not engine.lora_manager.refcounts
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
-        engine.close()
+        engine.shutdown()

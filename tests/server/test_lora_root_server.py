@@ -50,7 +50,7 @@ def engine(paths):
     async_engine.start()
     yield async_engine
     async_engine.shutdown(drain=False)
-    llm.close()
+    llm.shutdown()
 
 
 @pytest.fixture(scope="module")

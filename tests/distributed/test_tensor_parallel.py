@@ -1,0 +1,177 @@
+"""Tensor parallelism on the CPU: 2 and 4 ranks (gloo) against one rank and against HF + PEFT, in fp32.
+
+The tiny model has 4 query heads and 2 KV heads (2 ranks split the KV heads, 4 ranks keep each on two
+ranks) and a vocabulary of 1001 (no rank count divides it: the last rank's rows are padding). Each engine
+is built once per rank count and serves every test of the module (starting worker processes costs seconds).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
+from model_fixtures import make_lora_adapters
+from loraserve import LLM, LoRARequest, SamplingParams
+from loraserve.distributed import ParallelGroup
+from loraserve.models.linear import PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+VOCAB = 1001
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTER_SPECS = [  # every module kind, ranks 4, 8 and 16
+    {"name": "r4_all", "r": 4, "lora_alpha": 8, "target_modules": ALL_MODULES},
+    {"name": "r8_rows", "r": 8, "lora_alpha": 32, "use_rslora": True, "target_modules": ["q_proj", "o_proj", "down_proj"]},
+    {"name": "r16_cols", "r": 16, "lora_alpha": 16, "target_modules": ["k_proj", "v_proj", "gate_proj", "up_proj"]},
+]
+ENGINE = dict(device="cpu", max_model_len=256, max_num_batched_tokens=48, enable_lora=True, max_loras=4,
+              max_lora_rank=16)  # a step budget below the longest prompt: prompts are prefilled in chunks
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=8, prompt_logprobs=3)
+SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=7, ignore_eos=True, logprobs=3)
+ROWS = [None, "r4_all", "r8_rows", "r16_cols", None, "r4_all", "r16_cols", "r8_rows"]
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_factory, tmp_path_factory):
+    folder = tiny_model_factory("llama", vocab_size=VOCAB)
+    paths = make_lora_adapters(folder, tmp_path_factory.mktemp("tp-adapters"), ADAPTER_SPECS, seed=3)
+    adapters = dict(zip([s["name"] for s in ADAPTER_SPECS], paths))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 70))] for _ in ROWS]
+    requests = [LoRARequest(name, adapters[name]) if name else None for name in ROWS]
+    single = LLM(folder, **ENGINE)
+    reference = _generate(single, prompts, requests)
+    return folder, adapters, prompts, requests, reference
+
+
+def _generate(llm, prompts, requests):
+    """Greedy rows (with logprobs and prompt logprobs), then the same prompts sampled with a seed."""
+    greedy = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests, use_tqdm=False)
+    seeded = llm.generate([{"prompt_token_ids": p} for p in prompts[:3]], SEEDED, lora_request=requests[:3],
+                          use_tqdm=False)
+    return greedy, seeded
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def parallel(request, setup):
+    folder, *_ = setup
+    llm = LLM(folder, tensor_parallel_size=request.param, **ENGINE)
+    yield llm
+    llm.engine.shutdown()
+    assert not any(p.is_alive() for p in llm.engine.workers._procs)
+
+
+def _assert_close(got: dict[int, float], want: dict[int, float], where: str) -> None:
+    assert set(got) == set(want), where
+    for token, lp in want.items():
+        assert abs(got[token] - lp) <= ATOL, f"{where}, token {token}: {got[token]} vs {lp}"
+
+
+def test_outputs_equal_one_rank_with_mixed_adapters(parallel, setup):
+    """Greedy tokens identical to one rank's, every logprob (generated and prompt) within 1e-4, base rows
+    and rows of three adapters (every module kind, ranks 4/8/16) mixed in one batch; seeded sampling too."""
+    _, _, prompts, requests, (ref_greedy, ref_seeded) = setup
+    greedy, seeded = _generate(parallel, prompts, requests)
+    for i, (out, ref) in enumerate(zip(greedy, ref_greedy)):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids, f"row {i} ({ROWS[i]})"
+        for pos, (got, want) in enumerate(zip(out.outputs[0].logprobs, ref.outputs[0].logprobs)):
+            _assert_close(got, want, f"row {i} position {pos}")
+        for pos, (got, want) in enumerate(zip(out.prompt_logprobs, ref.prompt_logprobs)):
+            if want is not None:
+                _assert_close(got, want, f"row {i} prompt position {pos}")
+    for out, ref in zip(seeded, ref_seeded):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def test_mixed_adapters_match_peft(parallel, setup):
+    """The same batch against HF + PEFT (an independent reference): tokens are PEFT's argmax, logprobs within
+    1e-4; and each adapter changes the output."""
+    from peft import PeftModel
+
+    folder, adapters, prompts, requests, _ = setup
+    outputs = parallel.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests,
+                                use_tqdm=False)
+    names = list(adapters)
+    peft = PeftModel.from_pretrained(load_hf_model(folder), adapters[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        peft.load_adapter(adapters[name], adapter_name=name)
+    peft.eval()
+    for name, prompt, out in zip(ROWS, prompts, outputs):
+        ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids, adapter_names=[name or "__base__"])
+        assert_matches_reference(out, ref)
+    base = parallel.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)[0]
+    for name in names:
+        other = parallel.generate([{"prompt_token_ids": prompts[0]}], GREEDY, lora_request=LoRARequest(name),
+                                  use_tqdm=False)[0]
+        assert other.outputs[0].logprobs[0] != base.outputs[0].logprobs[0], name
+
+
+def test_adapters_loaded_after_eviction_reach_every_rank(setup):
+    """A pool with room for one adapter of max rank: requests one after another swap adapters in and out; the
+    ranks follow rank 0's loads (same ids and pages, each its own part) and the outputs stay one rank's."""
+    folder, adapters, prompts, _, _ = setup
+    options = dict(ENGINE, max_loras=1)  # the CPU's default pool: max_loras adapters of max_lora_rank
+    single, parallel = LLM(folder, **options), LLM(folder, tensor_parallel_size=2, **options)
+    try:
+        order = ["r4_all", "r16_cols", "r8_rows", "r4_all", "r16_cols"]
+        for name, prompt in zip(order, prompts):
+            request = LoRARequest(name, adapters[name])
+            got = parallel.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=request, use_tqdm=False)[0]
+            want = single.generate([{"prompt_token_ids": prompt}], GREEDY, lora_request=request, use_tqdm=False)[0]
+            assert got.outputs[0].token_ids == want.outputs[0].token_ids, name
+            for g, w in zip(got.outputs[0].logprobs, want.outputs[0].logprobs):
+                _assert_close(g, w, name)
+        assert parallel.engine.stats().lora_gpu_evictions >= 2
+    finally:
+        parallel.engine.shutdown()
+
+
+# -- the sharding rules, without processes ------------------------------------------------------------
+def _groups(size: int) -> list[ParallelGroup]:
+    return [ParallelGroup(rank, size, torch.device("cpu"), backend=object()) for rank in range(size)]
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_layer_parts_add_up_to_the_whole_layer(size):
+    """Column parts stacked, row parts summed, q/k/v by heads (4 ranks: each KV head on two ranks, the one
+    its query heads use), LoRA factors split as the weights: each rank's part reproduces the whole layer."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, head_dim, heads, kv_heads, inter, r = 16, 4, 4, 2, 24, 3
+    x = torch.randn(5, hidden, generator=gen)
+    q, k, v = (torch.randn(n * head_dim, hidden, generator=gen) for n in (heads, kv_heads, kv_heads))
+    gate_a, gate_b = torch.randn(r, hidden, generator=gen), torch.randn(inter, r, generator=gen)
+    down_w = torch.randn(hidden, inter, generator=gen)
+    down_a, down_b = torch.randn(r, inter, generator=gen), torch.randn(hidden, r, generator=gen)
+    h = torch.randn(5, inter, generator=gen)
+    row_sum, row_lora = torch.zeros(5, hidden), torch.zeros(5, r)
+    for tp in _groups(size):
+        qkv = QKVParallelLinear(hidden, head_dim, heads, kv_heads, tp=tp)
+        for shard, w in enumerate((q, k, v)):
+            qkv.weight_loader(qkv.weight, w, shard)
+        y = qkv(x).y  # [5, (H/tp + 2 KVl) * hd]
+        q_part, k_part, v_part = y.split(qkv.output_sizes, dim=-1)
+        heads_here = range(tp.rank * heads // size, (tp.rank + 1) * heads // size)
+        assert torch.allclose(q_part, (x @ q.T).view(5, heads, head_dim)[:, heads_here].reshape(5, -1))
+        for part, w in ((k_part, k), (v_part, v)):  # the KV head of this rank's query heads (GQA groups of 2)
+            kv_here = sorted({h * kv_heads // heads for h in heads_here})
+            assert torch.allclose(part, (x @ w.T).view(5, kv_heads, head_dim)[:, kv_here].reshape(5, -1))
+        gate_up = PackedColumnParallelLinear(hidden, [inter, inter], tp=tp)
+        a, b = gate_up.lora_shard(gate_a, gate_b, 0, tp.rank)
+        cols = slice(tp.rank * inter // size, (tp.rank + 1) * inter // size)
+        assert torch.equal(a, gate_a) and torch.equal(b, gate_b[cols])
+        down = RowParallelLinear(inter, hidden, tp=tp)
+        down.weight_loader(down.weight, down_w)
+        a, b = down.lora_shard(down_a, down_b, 0, tp.rank)
+        assert torch.equal(b, down_b)
+        row_sum += torch.nn.functional.linear(h[:, cols], down.weight)
+        row_lora += h[:, cols] @ a.T  # the shrink's partial sum, all-reduced before the expand
+    assert torch.allclose(row_sum, h @ down_w.T, atol=1e-5)
+    assert torch.allclose(row_lora @ down_b.T, h @ down_a.T @ down_b.T, atol=1e-5)
+
+
+def test_heads_that_cannot_be_split_are_refused():
+    with pytest.raises(ValueError, match="num_attention_heads 6 is not divisible by tensor_parallel_size 4"):
+        QKVParallelLinear(24, 4, 6, 2, tp=_groups(4)[0])
+    with pytest.raises(ValueError, match="num_key_value_heads 3 and tensor_parallel_size 2"):
+        QKVParallelLinear(24, 4, 6, 3, tp=_groups(2)[0])

@@ -1,0 +1,217 @@
+"""A tensor-parallel engine whose worker dies: a clear error, no hang, no process left behind (CPU, gloo).
+
+Each case runs the engine (or the server) in a subprocess with a deadline, so that a hang fails the test
+instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from loraserve import SamplingParams
+from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError
+from loraserve.errors import WorkerDiedError
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEADLINE = 180  # seconds a case may take (start-up included) before it counts as a hang
+
+DRIVER = """
+import os, signal, sys, threading, time
+from loraserve import LLM, SamplingParams
+
+if __name__ == "__main__":
+    model, action = sys.argv[1], sys.argv[2]
+    llm = LLM(model, device="cpu", max_model_len=512, tensor_parallel_size=2)
+    pids = llm.engine.workers.pids
+    print("WORKERS", *pids, flush=True)
+    if action == "wait":  # the test signals this process
+        time.sleep(600)
+    threading.Timer(1.0, lambda: os.kill(pids[0], signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, SamplingParams(max_tokens=450, ignore_eos=True),
+                     use_tqdm=False)
+    except Exception as exc:
+        print("RAISED", type(exc).__name__, round(time.monotonic() - start, 1), str(exc).replace(chr(10), " "),
+              flush=True)
+        try:
+            llm.generate([{"prompt_token_ids": [5]}], use_tqdm=False)
+        except Exception as again:
+            print("AGAIN", type(again).__name__, flush=True)
+        sys.exit(3)
+    print("NO ERROR", flush=True)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _wait_gone(pids: list[int], timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "worker processes outlived the engine"
+
+
+def _spawned_children(pid: int) -> list[int]:
+    """The multiprocessing workers among the children of `pid`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmdline = f.read()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if ppid == pid and "spawn_main" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> str:
+    return tiny_model_factory("llama")
+
+
+def test_killed_worker_stops_the_engine_with_a_clear_error(model):
+    """SIGKILL to worker 1 mid-generation: generate raises WorkerDiedError naming the worker and its exit code
+    at once, later calls raise too, the other processes are gone and the script exits."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER, model, "kill"], cwd=REPO, capture_output=True, text=True,
+                          timeout=DEADLINE)
+    out = proc.stdout
+    assert proc.returncode == 3, out + proc.stderr
+    pids = [int(p) for p in next(line for line in out.splitlines() if line.startswith("WORKERS")).split()[1:]]
+    raised = next(line for line in out.splitlines() if line.startswith("RAISED"))
+    _, kind, seconds, message = raised.split(" ", 3)
+    assert kind == "WorkerDiedError"
+    assert f"tensor-parallel worker 1 of 2 (pid {pids[0]}) died with exit code -9" in message
+    assert float(seconds) < 60
+    assert "AGAIN WorkerDiedError" in out
+    _wait_gone(pids)
+
+
+def test_sigterm_to_the_engine_process_ends_its_workers(model):
+    """The engine's process ended by SIGTERM (no clean-up runs there): its workers notice and exit."""
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, model, "wait"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("WORKERS"), line
+        pids = [int(p) for p in line.split()[1:]]
+        assert all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        _wait_gone(pids)
+    finally:
+        proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(model, tmp_path):
+    """`loraserve serve --tensor-parallel-size 2`: a worker killed while a request streams: the request ends with
+    an error, new requests get 503 while the server stops, and the process exits with status 1."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--model", model, "--device", "cpu",
+         "--port", str(port), "--max-model-len", "512", "--tensor-parallel-size", "2", "--log-level", "warning"],
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.25)
+        (worker,) = _spawned_children(proc.pid)
+        body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 450, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(worker, signal.SIGKILL)
+            rest = "\n".join(lines)
+        errors = [json.loads(line[6:])["error"] for line in rest.splitlines()
+                  if line.startswith("data: {") and '"error"' in line]
+        assert errors and errors[0]["type"] == "service_unavailable" and "worker 1 of 2" in errors[0]["message"], rest
+        try:
+            late = httpx.post(f"{url}/v1/completions", json={"model": model, "prompt": [5]}, timeout=10)
+            assert late.status_code == 503
+        except httpx.TransportError:
+            pass  # the server had stopped listening already
+        assert proc.wait(60) == 1
+        log.seek(0)
+        assert "tensor-parallel worker 1 of 2" in log.read()
+    finally:
+        proc.kill()
+
+
+class _DeadEngine:
+    """An engine whose next step finds its worker dead."""
+
+    model_name, max_model_len, tokenizer = "m", 64, None
+
+    def __init__(self):
+        self.added = []
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self.added.append(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.added)
+
+    def step(self):
+        raise WorkerDiedError("tensor-parallel worker 1 of 2 (pid 1) died with exit code -9")
+
+    def abort_request(self, request_id):
+        pass
+
+    def list_loras(self):
+        return []
+
+
+def test_async_engine_turns_a_dead_engine_into_503s_and_tells_its_owner():
+    dead = []
+    engine = AsyncLLMEngine(_DeadEngine(), on_dead=dead.append)
+    engine.start()
+
+    async def run():
+        with pytest.raises(EngineClosedError, match="worker 1 of 2"):
+            async for _ in engine.generate("r1", [1, 2], SamplingParams(max_tokens=2)):
+                pass
+        for _ in range(100):
+            if not engine.is_alive():
+                break
+            await asyncio.sleep(0.05)
+        with pytest.raises(EngineClosedError):
+            await engine.list_loras()
+
+    asyncio.run(run())
+    assert not engine.is_alive()
+    assert len(dead) == 1 and isinstance(dead[0], WorkerDiedError)
+    engine.shutdown()
