@@ -9,8 +9,14 @@ copy bandwidth measured in the same run. One engine per mode, one at a time.
 Prints a table, the graph capture cost and the check against the target (batch-1
 graph ITL <= 1.15x the byte floor); writes decode.json and decode.png to --out.
 
+With --tensor-parallel-size 1,2 (a list) each mode runs once per size, one
+engine at a time; the byte floor is then one rank's (its part of the weights
+and of the KV cache), and the check is the tensor-parallel one: batch-1 graph
+ITL at N ranks <= 0.6x (N = 2) of one rank's.
+
     python benchmarks/decode.py [--model synthetic:llama-3-8b] [--quick] [--out DIR]
     python benchmarks/decode.py --model synthetic:tiny --device cpu --quick --out /tmp/b
+    python benchmarks/decode.py --tensor-parallel-size 1,2 --batch-sizes 1,8 --contexts 512 --modes graphs
 """
 from __future__ import annotations
 
@@ -42,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--contexts", type=bc.int_list, default=None, help=f"default {CONTEXTS}")
     p.add_argument("--modes", type=bc.str_list, default=list(MODES), help="graphs,eager")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--tensor-parallel-size", type=bc.int_list, default=[1],
+                   help="ranks (GPUs) the model is split over; a list (1,2) runs each mode at each size")
     args = p.parse_args(argv)
     args.batch_sizes = args.batch_sizes or list(QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
     args.contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else CONTEXTS)
@@ -51,8 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def run_mode(args, mode: str, device: torch.device, bandwidth: float) -> tuple[dict, list[dict]]:
-    """Build one engine, time every (context, batch) case on it; the engine is freed on return."""
+def run_mode(args, mode: str, tp: int, device: torch.device, bandwidth: float) -> tuple[dict, list[dict]]:
+    """Build one engine (of `tp` ranks), time every (context, batch) case on it; the engine is freed on return."""
     n_steps = args.warmup + args.steps
     needed = max(args.contexts) + n_steps + 2
     limit = bc.model_max_len(args.model)
@@ -60,71 +68,97 @@ def run_mode(args, mode: str, device: torch.device, bandwidth: float) -> tuple[d
     engine = LLMEngine.from_args(EngineArgs(
         args.model, device=device, dtype=args.dtype, max_model_len=min(needed, limit or needed),
         max_num_seqs=max(args.batch_sizes), enforce_eager=mode == "eager", seed=args.seed,
-        async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization))
+        async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization,
+        tensor_parallel_size=tp))
     info = bc.engine_info(engine, time.perf_counter() - t0)
     bc.fill_kv_random(engine)
     rows = []
     cases = [(c, b) for c in args.contexts for b in args.batch_sizes]
-    for ctx, batch in tqdm(cases, desc=f"decode {mode}", unit="case", disable=None):
-        row = {"mode": mode, "batch": batch, "context": ctx}
-        rows.append(row)
-        row.update(bc.run_decode_case(engine, batch, ctx, [], args, bandwidth))
+    try:
+        for ctx, batch in tqdm(cases, desc=f"decode {mode} tp={tp}", unit="case", disable=None):
+            row = {"mode": mode, "tp": tp, "batch": batch, "context": ctx}
+            rows.append(row)
+            row.update(bc.run_decode_case(engine, batch, ctx, [], args, bandwidth))
+    finally:
+        engine.shutdown()  # a tensor-parallel engine's workers hold the other GPUs
     return info, rows
 
 
-def measured(rows, mode, batch, ctx) -> dict | None:
-    return next((r for r in rows if (r["mode"], r["batch"], r["context"]) == (mode, batch, ctx) and "itl_s" in r),
-                None)
+def measured(rows, mode, batch, ctx, tp: int = 1) -> dict | None:
+    return next((r for r in rows if (r["mode"], r["tp"], r["batch"], r["context"]) == (mode, tp, batch, ctx)
+                 and "itl_s" in r), None)
 
 
 FLOOR_TARGET = 1.15  # base decode ITL at batch 1 (CUDA graphs) <= this times the byte floor
+TP_TARGETS = {2: 0.6}  # batch-1 graph ITL at N ranks <= this times one rank's (synthetic Llama-3-8B)
 
 
-def make_checks(rows: list[dict], contexts: list[int]) -> list[bc.Check]:
-    """The target: graph ITL at batch 1, shortest context, against the byte floor."""
+def make_checks(rows: list[dict], contexts: list[int], sizes: list[int]) -> list[bc.Check]:
+    """The targets: one rank's graph ITL at batch 1, shortest context, against the byte floor; at N ranks,
+    that ITL against one rank's."""
     ctx = min(contexts)
+    checks = []
     g1 = measured(rows, "graphs", 1, ctx)
     name = f"batch-1 ctx-{ctx} graph ITL / byte floor"
-    if g1 is None:
-        return [bc.Check(name, "not measured", f"<= {FLOOR_TARGET}", None)]
-    return [bc.Check(name, f"{g1['floor_ratio']:.3f} ({1e3 * g1['itl_s']:.2f} ms vs {1e3 * g1['floor_s']:.2f} ms)",
-                     f"<= {FLOOR_TARGET}", g1["floor_ratio"] <= FLOOR_TARGET)]
+    if 1 in sizes:
+        if g1 is None:
+            checks.append(bc.Check(name, "not measured", f"<= {FLOOR_TARGET}", None))
+        else:
+            checks.append(bc.Check(name, f"{g1['floor_ratio']:.3f} ({1e3 * g1['itl_s']:.2f} ms vs "
+                                         f"{1e3 * g1['floor_s']:.2f} ms)", f"<= {FLOOR_TARGET}",
+                                   g1["floor_ratio"] <= FLOOR_TARGET))
+    for tp in sizes:
+        if tp == 1:
+            continue
+        gn = measured(rows, "graphs", 1, ctx, tp)
+        name, target = f"batch-1 ctx-{ctx} graph ITL, {tp} ranks / 1 rank", TP_TARGETS.get(tp)
+        if gn is None or g1 is None:
+            checks.append(bc.Check(name, "not measured", f"<= {target}" if target else "-", None))
+            continue
+        ratio = gn["itl_s"] / g1["itl_s"]
+        checks.append(bc.Check(name, f"{ratio:.3f} ({1e3 * gn['itl_s']:.2f} ms vs {1e3 * g1['itl_s']:.2f} ms; "
+                                     f"{gn['floor_ratio']:.2f}x its rank's byte floor)",
+                               f"<= {target}" if target else "none set", ratio <= target if target else None))
+    return checks
 
 
 def print_results(rows: list[dict], engines: dict, args) -> None:
-    headers = ["ctx", "B", "graph ITL ms", "graph tok/s", "eager ITL ms", "eager tok/s", "floor ms",
+    headers = ["tp", "ctx", "B", "graph ITL ms", "graph tok/s", "eager ITL ms", "eager tok/s", "floor ms",
                "graph/floor", "eager/floor", "speedup", "graph GB/s", "eager GB/s"]
     table = []
-    for ctx in args.contexts:
-        for batch in args.batch_sizes:
-            g, e = measured(rows, "graphs", batch, ctx), measured(rows, "eager", batch, ctx)
-            if g is None and e is None:
-                continue
-            floor = (g or e)["floor_s"]
-            table.append([ctx, batch if g is None or g["used_graph"] else f"{batch}*",
-                          g and 1e3 * g["itl_s"], g and g["tok_s"], e and 1e3 * e["itl_s"], e and e["tok_s"],
-                          1e3 * floor, g and g["floor_ratio"], e and e["floor_ratio"],
-                          g and e and e["itl_s"] / g["itl_s"], g and g["gb_s"], e and e["gb_s"]])
+    for tp, ctx, batch in [(t, c, b) for t in args.tensor_parallel_size for c in args.contexts
+                           for b in args.batch_sizes]:
+        g, e = measured(rows, "graphs", batch, ctx, tp), measured(rows, "eager", batch, ctx, tp)
+        if g is None and e is None:
+            continue
+        floor = (g or e)["floor_s"]
+        table.append([tp, ctx, batch if g is None or g["used_graph"] else f"{batch}*",
+                      g and 1e3 * g["itl_s"], g and g["tok_s"], e and 1e3 * e["itl_s"], e and e["tok_s"],
+                      1e3 * floor, g and g["floor_ratio"], e and e["floor_ratio"],
+                      g and e and e["itl_s"] / g["itl_s"], g and g["gb_s"], e and e["gb_s"]])
     print(f"\nDecode, {args.model}, {args.steps} timed steps after {args.warmup} warm-up "
           "(* = no graph bucket, ran eagerly):")
     bc.print_table(headers, table)
     for r in rows:
         if "skipped" in r:
-            print(f"  skipped {r['mode']} B={r['batch']} ctx={r['context']}: {r['skipped']}")
+            print(f"  skipped {r['mode']} tp={r['tp']} B={r['batch']} ctx={r['context']}: {r['skipped']}")
     bc.print_engines(engines, with_kv_blocks=True)
 
 
 def plot(rows: list[dict], args) -> None:
     itl, tps = {}, {}
-    for mode in args.modes:
+    for tp in args.tensor_parallel_size:
+        tag = "" if args.tensor_parallel_size == [1] else f" tp={tp}"
+        for mode in args.modes:
+            for ctx in args.contexts:
+                got = [r for r in rows if (r["mode"], r["tp"], r["context"]) == (mode, tp, ctx) and "itl_s" in r]
+                style = "o-" if mode == "graphs" else "s--"
+                itl[f"{mode}{tag} ctx {ctx}"] = ([r["batch"] for r in got], [1e3 * r["itl_s"] for r in got], style)
+                tps[f"{mode}{tag} ctx {ctx}"] = ([r["batch"] for r in got], [r["tok_s"] for r in got], style)
         for ctx in args.contexts:
-            got = [r for r in rows if r["mode"] == mode and r["context"] == ctx and "itl_s" in r]
-            style = "o-" if mode == "graphs" else "s--"
-            itl[f"{mode} ctx {ctx}"] = ([r["batch"] for r in got], [1e3 * r["itl_s"] for r in got], style)
-            tps[f"{mode} ctx {ctx}"] = ([r["batch"] for r in got], [r["tok_s"] for r in got], style)
-    for ctx in args.contexts:
-        floors = {r["batch"]: 1e3 * r["floor_s"] for r in rows if r["context"] == ctx and "floor_s" in r}
-        itl[f"floor ctx {ctx}"] = (sorted(floors), [floors[b] for b in sorted(floors)], ":")
+            floors = {r["batch"]: 1e3 * r["floor_s"] for r in rows
+                      if (r["tp"], r["context"]) == (tp, ctx) and "floor_s" in r}
+            itl[f"floor{tag} ctx {ctx}"] = (sorted(floors), [floors[b] for b in sorted(floors)], ":")
     bc.save_plot(args.out, "decode.png", [
         dict(title=f"Decode ITL, {args.model}", xlabel="batch size", ylabel="ms per step", series=itl, logx=True,
              logy=True),
@@ -143,13 +177,15 @@ def main(argv=None) -> int:
     engines, rows, checks = {}, [], []
     report = {"benchmark": "decode", "args": vars(args), "env": bc.environment(device),
               "bandwidth_bytes_per_s": bandwidth, "engines": engines, "results": rows, "checks": checks}
-    for mode in args.modes:
-        engines[mode], mode_rows = run_mode(args, mode, device, bandwidth)
-        rows += mode_rows
-        bc.release_memory()
-        bc.write_json(args.out, "decode.json", report)  # partial results survive a later failure
+    for tp in args.tensor_parallel_size:
+        for mode in args.modes:
+            key = mode if args.tensor_parallel_size == [1] else f"{mode} tp={tp}"
+            engines[key], mode_rows = run_mode(args, mode, tp, device, bandwidth)
+            rows += mode_rows
+            bc.release_memory()
+            bc.write_json(args.out, "decode.json", report)  # partial results survive a later failure
     print_results(rows, engines, args)
-    checks += make_checks(rows, args.contexts)
+    checks += make_checks(rows, args.contexts, args.tensor_parallel_size)
     bc.print_checks(checks)
     bc.write_json(args.out, "decode.json", report)
     plot(rows, args)

@@ -20,6 +20,7 @@ lora_decode.json and lora_decode_<model>.png to --out.
 
     python benchmarks/lora_decode.py [--models synthetic:llama-3-8b,synthetic:llama-3.2-1b] [--out DIR]
     python benchmarks/lora_decode.py --models synthetic:tiny --device cpu --quick --out /tmp/b
+    python benchmarks/lora_decode.py --models synthetic:llama-3-70b --tensor-parallel-size 4 --out DIR
 """
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--capture-rounds", type=int, default=5,
                    help="capture every bucket again this many times per graph engine, the engines taking turns; "
                         "the capture-time check compares the medians (0: compare the start-up captures)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks (GPUs) every engine's model is split over; the byte floor is then one rank's")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="largest graph bucket (default: the largest batch size)")
     p.add_argument("--capture-max-loras", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
@@ -127,7 +130,8 @@ def build_engine(args, model: str, mode: str, device, max_loras: int):
         model, device=device, dtype=args.dtype, max_model_len=args.context + args.warmup + args.steps + 3,
         async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs,
         enforce_eager=mode.startswith("eager"), seed=args.seed, enable_lora=mode.endswith("+lora"),
-        max_loras=max_loras, max_lora_rank=args.max_lora_rank, lora_gpu_memory=args.lora_gpu_memory))
+        max_loras=max_loras, max_lora_rank=args.max_lora_rank, lora_gpu_memory=args.lora_gpu_memory,
+        tensor_parallel_size=args.tensor_parallel_size))
 
 
 def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: dict) -> tuple[dict, list[dict], object]:

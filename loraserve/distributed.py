@@ -52,8 +52,6 @@ class ParallelGroup:
             options = dist.ProcessGroupNCCL.Options()
             options.is_high_priority_stream = False
             options._timeout = COLLECTIVE_TIMEOUT
-            options.global_ranks_in_group = list(range(size))
-            options.group_name = "loraserve-tp"
             backend = dist.ProcessGroupNCCL(prefixed, rank, size, options)
         else:
             backend = dist.ProcessGroupGloo(prefixed, rank, size, COLLECTIVE_TIMEOUT)
@@ -107,13 +105,10 @@ class ParallelGroup:
                 pass
 
     def close(self) -> None:
-        """Leave the group (collectives fail afterwards)."""
-        backend, self._backend = self._backend, None
-        if backend is not None and hasattr(backend, "shutdown"):
-            try:
-                backend.shutdown()
-            except RuntimeError:
-                pass
+        """Leave the group after its last collective, without waiting for the other ranks (collectives fail
+        afterwards)."""
+        self.abort()
+        self._backend = None
 
 
 NO_PARALLEL = ParallelGroup(0, 1, torch.device("cpu"))  # the whole model in one process: no collectives

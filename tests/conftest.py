@@ -1,4 +1,5 @@
-"""Test set-up: Triton's interpreter on machines without CUDA, the `gpu` marker and the shared fixtures.
+"""Test set-up: Triton's interpreter on machines without CUDA, the `gpu` and `multigpu` markers and the shared
+fixtures.
 
 TRITON_INTERPRET must be set before any Triton kernel is defined, so it is set
 here, before loraserve is imported by any test module.
@@ -14,12 +15,13 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    skip_multi = pytest.mark.skip(reason="needs two CUDA devices")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        elif "multigpu" in item.keywords and torch.cuda.device_count() < 2:
+            item.add_marker(skip_multi)
 
 
 # -- shared fixtures: tiny random HF models (tests/model_fixtures.py builds them) ----------------

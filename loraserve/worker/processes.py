@@ -178,7 +178,6 @@ class TensorParallelWorkers(StepFollowers):
         deadline = time.monotonic() + STOP_SECONDS
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
-        stopped = all(proc.exitcode == 0 for proc in self._procs)
         for proc in self._procs:
             if proc.is_alive():
                 proc.terminate()
@@ -187,10 +186,7 @@ class TensorParallelWorkers(StepFollowers):
                 proc.kill()
                 proc.join()
         if self.group is not None:
-            if stopped and self._failure is None:
-                self.group.close()
-            else:  # a rank left without leaving the group: nothing may wait for it
-                self.group.abort()
+            self.group.close()
         for conn in [*self._commands, *self._events, self._wake_in, self._wake_out]:
             conn.close()
         self._monitor.join(5.0)

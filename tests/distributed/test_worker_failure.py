@@ -20,69 +20,10 @@ import pytest
 from loraserve import SamplingParams
 from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError
 from loraserve.errors import WorkerDiedError
+from tp_driver import DRIVER, alive, run_killed_worker, spawned_children, wait_gone
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEADLINE = 180  # seconds a case may take (start-up included) before it counts as a hang
-
-DRIVER = """
-import os, signal, sys, threading, time
-from loraserve import LLM, SamplingParams
-
-if __name__ == "__main__":
-    model, action = sys.argv[1], sys.argv[2]
-    llm = LLM(model, device="cpu", max_model_len=512, tensor_parallel_size=2)
-    pids = llm.engine.workers.pids
-    print("WORKERS", *pids, flush=True)
-    if action == "wait":  # the test signals this process
-        time.sleep(600)
-    threading.Timer(1.0, lambda: os.kill(pids[0], signal.SIGKILL)).start()
-    start = time.monotonic()
-    try:
-        llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, SamplingParams(max_tokens=450, ignore_eos=True),
-                     use_tqdm=False)
-    except Exception as exc:
-        print("RAISED", type(exc).__name__, round(time.monotonic() - start, 1), str(exc).replace(chr(10), " "),
-              flush=True)
-        try:
-            llm.generate([{"prompt_token_ids": [5]}], use_tqdm=False)
-        except Exception as again:
-            print("AGAIN", type(again).__name__, flush=True)
-        sys.exit(3)
-    print("NO ERROR", flush=True)
-"""
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_gone(pids: list[int], timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in pids if _alive(p)], "worker processes outlived the engine"
-
-
-def _spawned_children(pid: int) -> list[int]:
-    """The multiprocessing workers among the children of `pid`."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline") as f:
-                cmdline = f.read()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if ppid == pid and "spawn_main" in cmdline:
-            found.append(int(entry))
-    return found
+DEADLINE = 180  # seconds the server may take to start before it counts as a hang
 
 
 @pytest.fixture(scope="module")
@@ -93,32 +34,21 @@ def model(tiny_model_factory) -> str:
 def test_killed_worker_stops_the_engine_with_a_clear_error(model):
     """SIGKILL to worker 1 mid-generation: generate raises WorkerDiedError naming the worker and its exit code
     at once, later calls raise too, the other processes are gone and the script exits."""
-    proc = subprocess.run([sys.executable, "-c", DRIVER, model, "kill"], cwd=REPO, capture_output=True, text=True,
-                          timeout=DEADLINE)
-    out = proc.stdout
-    assert proc.returncode == 3, out + proc.stderr
-    pids = [int(p) for p in next(line for line in out.splitlines() if line.startswith("WORKERS")).split()[1:]]
-    raised = next(line for line in out.splitlines() if line.startswith("RAISED"))
-    _, kind, seconds, message = raised.split(" ", 3)
-    assert kind == "WorkerDiedError"
-    assert f"tensor-parallel worker 1 of 2 (pid {pids[0]}) died with exit code -9" in message
-    assert float(seconds) < 60
-    assert "AGAIN WorkerDiedError" in out
-    _wait_gone(pids)
+    run_killed_worker(model, "cpu")
 
 
 def test_sigterm_to_the_engine_process_ends_its_workers(model):
     """The engine's process ended by SIGTERM (no clean-up runs there): its workers notice and exit."""
-    proc = subprocess.Popen([sys.executable, "-c", DRIVER, model, "wait"], cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, model, "cpu", "wait"], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:
         line = proc.stdout.readline()
         assert line.startswith("WORKERS"), line
         pids = [int(p) for p in line.split()[1:]]
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-        _wait_gone(pids)
+        wait_gone(pids)
     finally:
         proc.kill()
 
@@ -149,7 +79,7 @@ def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(model, tmp_path
             except httpx.TransportError:
                 pass
             time.sleep(0.25)
-        (worker,) = _spawned_children(proc.pid)
+        (worker,) = spawned_children(proc.pid)
         body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 450, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
