@@ -19,6 +19,10 @@ pass the product on as factors, expanded by the next op as it reads the base
 output; the others, and every layer on the CPU, add the product into the base
 output in place, in order. All give the same numbers (the factored product up
 to the order of its sums: the rounding of the product can differ by one step).
+
+With tensor parallelism the pool holds this rank's part of each adapter (split
+as the base layer's weight: `LinearBase.lora_shard`); over a row-parallel base
+layer the shrink's partial sums are all-reduced before the expand (`reduce`).
 """
 from __future__ import annotations
 
