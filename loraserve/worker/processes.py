@@ -47,6 +47,8 @@ class TensorParallelWorkers(StepFollowers):
         self.size = config.parallel.tensor_parallel_size
         self._store = host_store(self.size)
         context = torch.multiprocessing.get_context("spawn")
+        root = logging.getLogger()
+        log_level = root.getEffectiveLevel() if root.handlers else None  # the workers log as this process does
         self._procs: list[multiprocessing.Process] = []
         self._commands = []  # rank 0's ends of the command pipes, rank 1 first
         self._events = {}  # the event pipe's reading end -> its rank
@@ -54,7 +56,8 @@ class TensorParallelWorkers(StepFollowers):
             commands_in, commands_out = context.Pipe(duplex=False)
             events_in, events_out = context.Pipe(duplex=False)
             proc = context.Process(target=rank_process.main, name=f"loraserve-tp-rank{rank}", daemon=True,
-                                   args=(rank, self.size, self._store.port, config, commands_in, events_out))
+                                   args=(rank, self.size, self._store.port, config, commands_in, events_out,
+                                         log_level))
             proc.start()
             commands_in.close()
             events_out.close()

@@ -10,6 +10,7 @@ process exits non-zero.
 """
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -26,9 +27,13 @@ from loraserve.models.loader import open_model
 from loraserve.worker.model_runner import ModelRunner
 
 
-def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, events) -> None:
-    """The process's entry (spawned): commands: the pipe DeviceSteps arrive on; events: where errors go."""
+def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, events,
+         log_level: int | None = None) -> None:
+    """The process's entry (spawned): commands: the pipe DeviceSteps arrive on; events: where errors go;
+    log_level: rank 0's logging level where it configured logging (its records then carry the rank)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_level is not None:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
     _exit_with_parent()
     tp = None
     try:
