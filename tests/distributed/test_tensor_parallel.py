@@ -6,6 +6,7 @@ is built once per rank count and serves every test of the module (starting worke
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -105,6 +106,22 @@ def test_mixed_adapters_match_peft(parallel, setup):
         other = parallel.generate([{"prompt_token_ids": prompts[0]}], GREEDY, lora_request=LoRARequest(name),
                                   use_tqdm=False)[0]
         assert other.outputs[0].logprobs[0] != base.outputs[0].logprobs[0], name
+
+
+def test_prefix_cache_hits_reuse_every_ranks_blocks(parallel, setup):
+    """A prompt served before reuses its cached KV blocks (each rank holds its heads of them): the output is
+    still one rank's."""
+    _, _, prompts, requests, (ref_greedy, _) = setup
+    longest = max((i for i, name in enumerate(ROWS) if name is None), key=lambda i: len(prompts[i]))
+    stats = parallel.engine.stats
+    hits = stats().prefix_cache_hits
+    no_prompt_logprobs = dataclasses.replace(GREEDY, prompt_logprobs=None)  # (those compute the whole prompt)
+    again = parallel.generate([{"prompt_token_ids": prompts[longest]}], no_prompt_logprobs,
+                              lora_request=requests[longest], use_tqdm=False)[0]
+    assert stats().prefix_cache_hits > hits
+    assert again.outputs[0].token_ids == ref_greedy[longest].outputs[0].token_ids
+    for got, want in zip(again.outputs[0].logprobs, ref_greedy[longest].outputs[0].logprobs):
+        _assert_close(got, want, "after a prefix-cache hit")
 
 
 def test_adapters_loaded_after_eviction_reach_every_rank(setup):
