@@ -13,9 +13,10 @@ import pytest
 import torch
 
 from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
-from model_fixtures import make_lora_adapters
+from model_fixtures import WINDOW, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.distributed import ParallelGroup
+from loraserve.models.loader import build_empty_model, open_model
 from loraserve.models.linear import PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 VOCAB = 1001
@@ -142,6 +143,34 @@ def test_adapters_loaded_after_eviction_reach_every_rank(setup):
         assert parallel.engine.stats().lora_gpu_evictions >= 2
     finally:
         parallel.engine.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_other_architectures_on_two_ranks_equal_one(arch, tiny_model_factory, tmp_path_factory):
+    """Qwen3 (q/k norms), Gemma 2 and 3 (their norms, embedding scale, soft-caps, sliding windows) and Phi-3 (q/k/v
+    and gate/up packed in the checkpoint and in its adapters) on 2 ranks: an adapter on every module the
+    architecture offers mixed with base rows, prompts longer than the window: one rank's tokens and logprobs."""
+    folder = tiny_model_factory(arch)
+    targets = list(type(build_empty_model(open_model(folder).hf_config, torch.device("cpu"),
+                                          torch.float32)).peft_target_modules())
+    (path,) = make_lora_adapters(folder, tmp_path_factory.mktemp(f"tp-{arch}"),
+                                 [{"name": "r8", "r": 8, "lora_alpha": 16, "target_modules": targets}], seed=2)
+    rng = random.Random(1)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 400) for _ in range(rng.randint(WINDOW + 1, 40))]}
+               for _ in range(4)]
+    requests = [None, LoRARequest("r8", path), None, LoRARequest("r8", path)]
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=5)
+    options = dict(device="cpu", max_model_len=128, enable_lora=True, max_loras=1, max_lora_rank=8)
+    want = LLM(folder, **options).generate(prompts, params, lora_request=requests, use_tqdm=False)
+    parallel = LLM(folder, tensor_parallel_size=2, **options)
+    try:
+        got = parallel.generate(prompts, params, lora_request=requests, use_tqdm=False)
+    finally:
+        parallel.engine.shutdown()
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, f"{arch} row {i}"
+        for pos, (gl, wl) in enumerate(zip(g.outputs[0].logprobs, w.outputs[0].logprobs)):
+            _assert_close(gl, wl, f"{arch} row {i} position {pos}")
 
 
 # -- the sharding rules, without processes ------------------------------------------------------------
