@@ -142,6 +142,6 @@ def test_async_engine_turns_a_dead_engine_into_503s_and_tells_its_owner():
             await engine.list_loras()
 
     asyncio.run(run())
+    engine.shutdown()  # joins the engine thread, which tells its owner last
     assert not engine.is_alive()
     assert len(dead) == 1 and isinstance(dead[0], WorkerDiedError)
-    engine.shutdown()
