@@ -27,7 +27,7 @@ from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, expand_conf
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+from loraserve.kernels.lora_shrink import ShrinkConfig, effective_split, lora_shrink, shrink_config, shrink_grid
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.side_stream import LoRAScratch, lora_delta
 
@@ -163,6 +163,9 @@ def check_expand_result(case, y_before, y_kernel, y_ref, rtol=1e-5, atol=1e-5):
 SPLIT_SHRINK = ShrinkConfig(16, 16, 32, 3)
 NARROW_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3)
 WIDE_DECODE_EXPAND = ExpandConfig(16, 128, 16, num_warps=4, col_tiles=4)  # several column tiles per program
+# the decode shapes spread a step's work at run time (dynamic): small versions of them
+DYNAMIC_SHRINK = ShrinkConfig(16, 16, 32, 3, dynamic=True)
+DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True)
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -180,6 +183,11 @@ CASES = [
     # more adapters than LOOSE_TILES: the token-axis programs take several tiles each
     (64, (48, 16), 16, 24, 40, "distinct", 0.1, None, None),
     (72, (40,), 8, 20, 100, "uniform", 0.2, PREFILL, PREFILL),
+    # a step of many adapters of a few tokens each: the expand gives each program a longer run of
+    # column tiles (and past that, programs take several items in turn); the shrink splits K less
+    (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, DYNAMIC_EXPAND),
+    (200, (120, 40, 40), 24, 100, 100, "distinct", 0.2, None, DYNAMIC_EXPAND),
+    (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, DYNAMIC_EXPAND),  # few: the grid's own items
 ]
 
 
@@ -281,11 +289,12 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 24, 70])
-def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens):
+@pytest.mark.parametrize("num_tokens,num_loras", [(1, 4), (24, 4), (70, 4), (90, 60)])
+def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras):
     """overwrite=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows
-    and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes)."""
-    case = make_case(8, 72, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.3, max_tokens=80)
+    and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes, and a
+    step of more adapters' tiles than the grid has programs)."""
+    case = make_case(8, 72, (40, 16, 16), 16, num_loras, num_tokens, "uniform", 0.3, max_tokens=100)
     slot_rank = case["slot_rank"].clone()
     off = int(np.max(case["slots"]))
     slot_rank[case["pool"]["ids"][off]] = 0  # an adapter that does not target this layer
@@ -314,27 +323,40 @@ def defined_mask(case, rank_max):
 
 def shrink_partials(x, a, slot_rank, meta, num_slices, cfg: ShrinkConfig) -> torch.Tensor:
     """[P, T, S*R]: what each of a split-K shrink's P programs computes over its own K range, by the same
-    kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial."""
-    k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
+    kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial. P is
+    the split the launch takes for this step's tiles (effective_split)."""
+    num_tokens, hidden = x.shape
+    sr = num_slices * meta.rank_width
+    grid = shrink_grid(cfg, num_tokens, sr, meta.num_loras)
+    lora_tiles = int(meta.tile_count(cfg.block_m)[0])
+    split, k_per_split = effective_split(cfg, grid, lora_tiles, hidden, sr)
     one_split = ShrinkConfig(cfg.block_m, cfg.block_n, cfg.block_k, 1, cfg.num_warps, cfg.num_stages)
-    parts = torch.full((cfg.split_k, x.shape[0], num_slices * meta.rank_width), float("nan"), device=x.device)
-    for p in range(cfg.split_k):
-        k = slice(p * k_per_split, min((p + 1) * k_per_split, x.shape[1]))
+    parts = torch.full((split, num_tokens, sr), float("nan"), device=x.device)
+    for p in range(split):
+        k = slice(p * k_per_split, min((p + 1) * k_per_split, hidden))
         lora_shrink(x[:, k], a[:, :, k], slot_rank, meta, num_slices, parts[p], one_split)
     return parts
 
 
-@pytest.mark.parametrize("num_tokens,hidden", [(24, 600), (70, 1030)])
-def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
+@pytest.mark.parametrize("num_tokens,hidden,num_loras,kind,want_split", [
+    (24, 600, 4, "uniform", 3),  # few adapters: the static split (decode shape)
+    (300, 1030, 4, "uniform", 2),  # the prefill shape
+    (40, 1030, 20, "distinct", 3),  # 18 adapters' tiles on the programs of 8: K split less
+    (40, 1030, 40, "distinct", 2),
+    (100, 1030, 100, "distinct", 1),  # more items than programs even unsplit: programs take several in turn
+])
+def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden, num_loras, kind, want_split):
     """The in-launch sum equals the [P, T, S*R] partials added in split order, bit for bit,
-    launch after launch (the counters go back to zero each time)."""
-    case = make_case(11, hidden, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.2, max_tokens=80)
+    launch after launch (the counters go back to zero each time); the split is the one the step's tiles
+    leave room for."""
+    case = make_case(11, hidden, (40, 16, 16), 16, num_loras, num_tokens, kind, 0.2, max_tokens=320)
     sr = 3 * 16
     cfg = shrink_config(num_tokens, hidden, sr)
-    assert cfg.split_k > 1  # decode (T=24) and prefill (T=70) shapes both split K here
+    assert cfg.split_k > 1  # decode (T=24, 40) and prefill (T=300) shapes both split K here
     meta, counters = case["meta"], case["meta"].tile_counters
     args = (case["x"], case["a"], case["slot_rank"], meta, 3)
     parts = shrink_partials(*args, cfg)
+    assert parts.shape[0] == want_split
     defined = defined_mask(case, 16)
     expected = torch.zeros(num_tokens, sr, device=DEVICE)
     for p in parts:  # split 0, 1, ... in turn
@@ -350,6 +372,21 @@ def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
         assert torch.equal(out[defined], first[defined])
     ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], meta, 3)
     check_shrink_result(case, first, ref, 16)
+
+
+def test_effective_split_spreads_the_work_items_over_the_grid():
+    """The split a launch of a dynamic shape takes: the static one while every item has a program, less as
+    the step's tiles grow, never an empty split, never below 1; a shape that is not dynamic keeps its split."""
+    assert effective_split(ShrinkConfig(16, 16, 128, 16), (48, 10), 200, 4096, 48) == (16, 256)
+    cfg = ShrinkConfig(16, 16, 128, 16, dynamic=True)
+    grid = (3 * 16, 2 + 8)  # 3 row tiles x 16 splits, 10 token-tile programs: 480 programs
+    assert effective_split(cfg, grid, 8, 4096, 48) == (16, 256)
+    assert effective_split(cfg, grid, 20, 4096, 48) == (8, 512)  # 480 // 60
+    assert effective_split(cfg, grid, 30, 4096, 48) == (5, 896)  # 480 // 90 = 5: splits of 7 K steps
+    assert effective_split(cfg, grid, 200, 4096, 48) == (1, 4096)
+    assert effective_split(cfg, grid, 0, 4096, 48) == (16, 256)
+    assert effective_split(cfg, grid, 8, 600, 48) == (5, 128)  # 5 K steps: at most 5 splits
+    assert effective_split(cfg, grid, 40, 600, 48) == (3, 256)  # room for 4, but 4 splits of 2 steps leave one empty
 
 
 def test_lora_apply_reuses_the_counters_across_sizes():

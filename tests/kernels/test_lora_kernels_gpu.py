@@ -20,8 +20,8 @@ from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
-                               check_silu_and_mul_factors, defined_mask, make_case, make_weights, meta_of, offsets_of, poisoned_inter,
-                               shrink_partials)
+                               check_silu_and_mul_factors, defined_mask, make_case, make_weights, meta_of, offsets_of,
+                               poisoned_inter, shrink_partials)
 
 pytestmark = pytest.mark.gpu
 
@@ -45,6 +45,8 @@ CASES = [
     # many adapters in one step: the token-axis programs take several tiles each
     (4096, (4096, 1024, 1024), 16, 200, 256, "distinct", 0.1),
     (4096, (14336, 14336), 16, 64, 1000, "uniform", 0.1),
+    (4096, (4096,), 64, 256, 256, "uniform", 0.1),  # ranks up to 64, ~160 adapters in a decode step
+    (4100, (4096, 1024, 1024), 32, 8, 8192, "skewed", 0.05),  # the largest prefill step
 ]
 
 
