@@ -64,7 +64,7 @@ class _Registered:
     path: str
     rank: int
     source: LoRAAdapter | None = None  # in-memory adapters: packed again from this when out of the host cache
-    generation: int = 0  # its identity: new at registration and at each read (LoRAManager.identity)
+    generation: int = 0  # its identity: new at registration and at each read of its files (LoRAManager.identity)
     counters: AdapterCounters = field(default_factory=AdapterCounters)
 
 
@@ -326,7 +326,8 @@ class LoRAManager:
                 self._cache_on_cpu(name, loaded.packed)
 
     def _record_load(self, entry: _Registered, seconds: float) -> None:
-        entry.generation = next(self._generations)
+        if entry.source is None:  # files read: they may have changed (an in-memory adapter's weights cannot)
+            entry.generation = next(self._generations)
         self.num_loads += 1
         self.recent_load_seconds.append(seconds)
         entry.counters.disk_loads += 1
