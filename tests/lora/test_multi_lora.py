@@ -219,8 +219,10 @@ def test_pinning_never_evicts_an_adapter_in_use_and_leaves_room(lora_setup):
               lora_gpu_memory=3.5 * page_bytes / 2**30)
     engine, manager = llm.engine, llm.engine.lora_manager
     assert manager.pool.num_pages == 3
-    engine.add_request("a", [4, 5, 6], GREEDY, LoRARequest("r4", adapters["r4"]))
-    engine.add_request("b", [4, 5, 6], GREEDY, LoRARequest("qv", adapters["qv_only"]))
+    llm.add_lora(LoRARequest("r4", adapters["r4"]))  # registered first: add_request would read them in the
+    llm.add_lora(LoRARequest("qv", adapters["qv_only"]))  # background, and the first step might not run them
+    engine.add_request("a", [4, 5, 6], GREEDY, LoRARequest("r4"))
+    engine.add_request("b", [4, 5, 6], GREEDY, LoRARequest("qv"))
     engine.step()  # both adapters now fill the pool with requests in flight
     with pytest.raises(InvalidRequestError, match="in flight"):
         llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)
