@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         for variant in ("warm", "cold"):
             report["runs"][variant] = run_window(engine, args, variant, root, rng)
     report["lora_reader"] = type(engine.lora_manager.reader).__name__
-    engine.close()
+    engine.shutdown()
     warm, cold = (report["runs"][v]["hot_itl_s"] for v in ("warm", "cold"))
     ratio = cold["p99"] / warm["p99"] if warm["p99"] and cold["p99"] else None
     for variant, run in report["runs"].items():
