@@ -4,8 +4,9 @@ Per model, three engines built one after another: "graphs" (no LoRA: the base),
 "graphs+lora" and "eager+lora" (max_loras 8, max_lora_rank 64). On the LoRA
 engines each batch runs with an adapter set: 0 (base requests on the LoRA
 engine: the cost of LoRA kernels over empty slots), 1, 4 or 8 distinct random
-adapters of rank 16 on all 7 projections, or "mixed" (ranks 8, 16, 32, 64);
-requests take the set's adapters round-robin. Sequences start straight in the
+adapters of rank 16 on all 7 projections (or any other number N: N names, each
+its own adapter in the pool, whose weights repeat every 8 names), or "mixed"
+(ranks 8, 16, 32, 64); requests take the set's adapters round-robin. Sequences start straight in the
 decode state (bench_common.start_decode_batch); ITL is the median
 `engine.step()` time. Reports tok/s against base graphs, ITL against the byte
 floor (weights + KV + the distinct adapters of the batch, in the model dtype),
@@ -78,8 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_sizes = args.batch_sizes or list(QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
     args.max_num_seqs = args.max_num_seqs or max(args.batch_sizes)
     for name, given, known in (("modes", args.modes, MODES), ("adapter sets", args.adapter_sets, ADAPTER_SETS)):
-        if set(given) - set(known):
-            p.error(f"unknown {name} {sorted(set(given) - set(known))}; choose from {known}")
+        unknown = sorted(g for g in given if g not in known and not (name == "adapter sets" and g.isdigit()))
+        if unknown:
+            p.error(f"unknown {name} {unknown}; choose from {known}" + (" or a number" if name != "modes" else ""))
     if any(len(set_adapters(s)) > args.max_loras for s in args.adapter_sets):
         p.error("an adapter set has more adapters than --max-loras")
     if max(MIXED_RANKS) > args.max_lora_rank and "mixed" in args.adapter_sets:
@@ -94,12 +96,24 @@ def set_adapters(key: str) -> list[tuple[str, int]]:
     return [(f"r{RANK}-{i}", RANK) for i in range(int(key))]
 
 
+DISTINCT_WEIGHTS = 8  # rank-16 adapters with weights of their own; later names repeat them (generating is slow)
+
+
 def register_adapters(engine, keys: list[str], adapters: dict, seed: int) -> None:
-    """Register every adapter of the sets, made once per model and kept in `adapters` (fp32, CPU)."""
+    """Register every adapter of the sets, made once per model and kept in `adapters` (fp32, CPU); rank-16
+    names past the first DISTINCT_WEIGHTS share their weights (each still its own adapter to the engine)."""
     wanted = dict(pair for key in keys for pair in set_adapters(key))  # name -> rank
+    spec = engine.lora_manager.runtime.spec
     for i, (name, rank) in enumerate(sorted(wanted.items())):
         if name not in adapters:
-            adapters[name] = random_adapter(engine.lora_manager.runtime.spec, name, rank, seed=seed + 1 + i)
+            index = int(name.rsplit("-", 1)[1]) if name.startswith(f"r{RANK}-") else -1
+            if index >= DISTINCT_WEIGHTS:
+                first = f"r{RANK}-{index % DISTINCT_WEIGHTS}"
+                if first not in adapters:
+                    adapters[first] = random_adapter(spec, first, rank, seed=seed + 1 + index % DISTINCT_WEIGHTS)
+                adapters[name] = adapters[first]
+            else:
+                adapters[name] = random_adapter(spec, name, rank, seed=seed + 1 + i)
         engine.lora_manager.register_adapter(name, adapters[name])
 
 

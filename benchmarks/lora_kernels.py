@@ -13,7 +13,18 @@ candidate kernel shapes (each candidate in a shrink + expand pair, the other
 launch in its default shape, in its own graph) at decode and prefill points,
 and prints the fastest of each.
 
+--decode-grid instead times the decode-step pair as the engine runs it (the shrink, then the expand writing a
+separate delta) for every layer at T = 32, 128, 256 tokens with 8, 64 or 256 distinct adapters (rank 16, a
+pool of 1024 adapters' pages, each timed launch reading other adapters than the one before) against its byte
+floor: x, the distinct adapters' A and B, the delta written. --prefill times the shrink and the in-place
+expand of every layer at T = 8192 with 8 adapters of rank 16 or of ranks 8/16/32/64, against their floors.
+Both use only the kernels' public launch functions, so the same script measures another build of the package
+(PYTHONPATH) for a before/after table in one run. --consumers times, at T = 8192 and Llama-3-8B shapes, each
+op that takes LoRA factors (rotary + KV write for q/k/v, residual add + RMSNorm for o and down, SiLU*mul for
+gate/up) against the in-place expand followed by the plain op, and the plain op alone, and sweeps their shapes.
+
     python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
+    python benchmarks/lora_kernels.py --decode-grid --prefill --consumers --out DIR
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
 """
 import argparse
@@ -351,12 +362,195 @@ def plot(data, path):
     fig.savefig(path, dpi=120)
 
 
+GRID_TOKENS, GRID_ADAPTERS, GRID_POOL = (32, 128, 256), (8, 64, 256), 1024
+GRID_RANK, GRID_OPS = 16, 16
+DEV = "cuda"  # the device of the grid, prefill and consumer timings
+
+
+class PoolLayer:
+    """One packed layer's pool views for `adapters` adapters of rank_max (pages scattered), as the engine's
+    pool holds them: A [P, S*PAGE_RANK, in], B [P, PAGE_RANK, N], the page table and each adapter's rank."""
+
+    def __init__(self, name, adapters, rank_max, ranks, gen):
+        self.name = name
+        self.hidden, sizes = LAYERS[name]
+        self.offsets = tuple(int(o) for o in np.concatenate([[0], np.cumsum(sizes)]))
+        self.n_out, self.num_slices = self.offsets[-1], len(sizes)
+        per = -(-rank_max // PAGE_RANK)
+        pages = adapters * per
+        self.a = torch.randn(pages, self.num_slices * PAGE_RANK, self.hidden, device=DEV, dtype=DTYPE) / 64
+        self.b = torch.randn(pages, PAGE_RANK, self.n_out, device=DEV, dtype=DTYPE) / 4
+        self.table = torch.randperm(pages, generator=gen).view(adapters, per).to(DEV, torch.int32)
+        self.ranks = [ranks[i % len(ranks)] for i in range(adapters)]
+        self.rank = torch.tensor(self.ranks, dtype=torch.int32, device=DEV)
+        self.rank_max = rank_max
+
+    def adapter_bytes(self, ids):
+        e = DTYPE.itemsize
+        return sum(e * self.ranks[i] * (self.num_slices * self.hidden + self.n_out) for i in ids)
+
+
+def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS):
+    """Median us of the shrink, the expand and the pair in a CUDA graph over `ops` launches, each with its own
+    step metadata naming other adapters (so that the adapters' bytes come from memory, not L2); and the bytes
+    one launch must move."""
+    sr = layer.num_slices * layer.rank_max
+    adapters = layer.table.shape[0]
+    metas, xs, ys, inters, moved = [], [], [], [], []
+    for i in range(ops):
+        ids = rng.permutation(adapters)[:distinct]
+        token_ids = ids[rng.permutation(num_tokens) % distinct]  # every adapter gets tokens (distinct <= T)
+        metas.append(LoRAMetaBuilder(num_tokens, distinct, layer.table).build(token_ids))
+        xs.append(torch.randn(num_tokens, layer.hidden, device=DEV, dtype=DTYPE))
+        ys.append(torch.randn(num_tokens, layer.n_out, device=DEV, dtype=DTYPE))
+        inters.append(torch.empty(num_tokens, sr, device=DEV))
+        e = DTYPE.itemsize
+        moved.append(e * num_tokens * layer.hidden + layer.adapter_bytes(set(token_ids.tolist()))
+                     + e * num_tokens * layer.n_out * (1 if overwrite else 2))
+
+    def shrink(i):
+        return lambda: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i])
+
+    def expand(i):
+        return lambda: lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], overwrite=overwrite)
+
+    def pair(i):
+        def run():
+            lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i])
+            lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], overwrite=overwrite,
+                        after_shrink=True)
+        return run
+
+    return dict(shrink_us=graph_us([shrink(i) for i in range(ops)], reps),
+                expand_us=graph_us([expand(i) for i in range(ops)], reps),
+                us=graph_us([pair(i) for i in range(ops)], reps), bytes=float(np.mean(moved)))
+
+
+def decode_grid(bw, reps):
+    """The decode pair (shrink, expand into a delta) per layer, T and distinct adapters, against its byte floor."""
+    rows = []
+    gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    print(f"\ndecode pair (shrink + expand into a delta), rank {GRID_RANK}, us (x byte floor)")
+    print(f"{'layer':8s} " + " ".join(f"{f'T={t} n={n}':>22s}" for t in GRID_TOKENS for n in GRID_ADAPTERS))
+    for name in LAYERS:
+        layer = PoolLayer(name, GRID_POOL, GRID_RANK, [GRID_RANK], gen)
+        cells = []
+        for t in GRID_TOKENS:
+            for n in GRID_ADAPTERS:
+                row = dict(layer=name, T=t, adapters=n, distinct=min(n, t))
+                row.update(time_pair(layer, t, min(n, t), rng, reps, overwrite=True))
+                row["floor_us"] = 1e6 * row["bytes"] / bw
+                rows.append(row)
+                cells.append(f"{row['us']:8.2f} ({row['us'] / row['floor_us']:4.2f}x)")
+        print(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
+def prefill_kernels(bw, reps, num_tokens=8192):
+    """The prefill shrink and in-place expand of every layer at T tokens, 8 adapters of rank 16 or of mixed
+    ranks, against their byte floors (x read; y read and written; the adapters)."""
+    rows = []
+    gen, rng = torch.Generator().manual_seed(1), np.random.default_rng(1)
+    print(f"\nprefill, T={num_tokens}, 8 adapters: us (x byte floor)")
+    for key, ranks in (("16", (16,)), ("mixed", (8, 16, 32, 64))):
+        for name in LAYERS:
+            layer = PoolLayer(name, 64, max(ranks), ranks, gen)
+            row = dict(layer=name, T=num_tokens, ranks=key)
+            row.update(time_pair(layer, num_tokens, 8, rng, reps, overwrite=False, ops=4))
+            e = DTYPE.itemsize
+            shrink_bytes = e * num_tokens * layer.hidden
+            row["shrink_floor_us"] = 1e6 * shrink_bytes / bw
+            row["expand_floor_us"] = 1e6 * (row["bytes"] - shrink_bytes) / bw
+            rows.append(row)
+            print(f"{name:8s} ranks {key:5s} shrink {row['shrink_us']:7.1f} ({row['shrink_us'] / row['shrink_floor_us']:.2f}x)"
+                  f"  expand {row['expand_us']:7.1f} ({row['expand_us'] / row['expand_floor_us']:.2f}x)"
+                  f"  pair {row['us']:7.1f} us")
+            del layer
+            torch.cuda.empty_cache()
+    return rows
+
+
+def consumers(bw, reps, num_tokens=8192, head_dim=128):
+    """Each op that takes LoRA factors against the in-place expand + plain op and the plain op alone, at T
+    tokens and Llama-3-8B shapes, 8 adapters of rank 16 (or mixed ranks); then a sweep of its shapes."""
+    from loraserve.kernels import fused
+    from loraserve.kernels.lora_expand import LoRAFactors
+
+    gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
+    rows = []
+    q_size, kv_size = LAYERS["qkv"][1][:2]
+    heads, kv_heads = q_size // head_dim, kv_size // head_dim
+    positions = torch.randint(0, 8192, (num_tokens,), device=DEV)
+    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
+    freqs = torch.outer(torch.arange(8192, device=DEV).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+    caches = [torch.empty(num_tokens // 16 + 1, 16, kv_heads, head_dim, device=DEV, dtype=DTYPE) for _ in range(2)]
+    # y's rows are written in place by the expand over and over: keep its values small (timing only)
+    slots = torch.randperm(num_tokens, device=DEV)
+    e = DTYPE.itemsize
+    print(f"\nops taking LoRA factors, T={num_tokens}, 8 adapters: us")
+    for key, ranks in (("16", (16,)), ("mixed", (8, 16, 32, 64))):
+        for name in ("qkv", "o", "gate_up"):
+            layer = PoolLayer(name, 64, max(ranks), ranks, gen)
+            ids = rng.permutation(64)[:8]
+            meta = LoRAMetaBuilder(num_tokens, 8, layer.table).build(ids[np.arange(num_tokens) * 8 // num_tokens])
+            x = torch.randn(num_tokens, layer.hidden, device=DEV, dtype=DTYPE)
+            y = torch.randn(num_tokens, layer.n_out, device=DEV, dtype=DTYPE)
+            inter = torch.empty(num_tokens, layer.num_slices * layer.rank_max, device=DEV)
+            lora_shrink(x, layer.a, layer.rank, meta, layer.num_slices, inter)
+            factors = LoRAFactors(inter, layer.b, layer.rank, meta, layer.offsets)
+            if name == "qkv":
+                q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
+                q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
+                args = (q, k, v, positions, cos_sin, caches[0], caches[1], slots)
+                plain = lambda: fused.rotary_and_cache(*args)  # noqa: E731
+                fused_op = lambda cfg=None: fused._rotary_and_cache_factors(*args, factors, cfg)  # noqa: E731
+                op_bytes = e * num_tokens * (2 * layer.n_out)
+                sweep = [fused.RotaryLoRAConfig(bm, hb, nw, ns) for bm, hb, nw, ns in
+                         [(16, 2, 4, 1), (32, 1, 4, 1), (32, 4, 4, 1), (64, 2, 8, 1), (32, 2, 4, 2)]]
+            elif name == "o":
+                residual = torch.randn_like(y)
+                weight = torch.ones(layer.n_out, device=DEV, dtype=DTYPE)
+                plain = lambda: fused.rms_norm(y, weight, 1e-5, residual)  # noqa: E731
+                fused_op = lambda cfg=None: fused._rms_norm_factors(y, weight, 1e-5, residual, factors, cfg)  # noqa: E731
+                op_bytes = e * num_tokens * 4 * layer.n_out
+                sweep = [fused.RMSNormLoRAConfig(bm, bn, ns) for bm, bn, ns in
+                         [(16, 128, 2), (16, 512, 2), (32, 256, 2), (16, 256, 1), (16, 256, 3)]]
+            else:
+                plain = lambda: fused.silu_and_mul(y)  # noqa: E731
+                fused_op = lambda cfg=None: fused._silu_and_mul_factors(y, factors, torch.empty(  # noqa: E731
+                    num_tokens, layer.n_out // 2, device=DEV, dtype=DTYPE), cfg)
+                op_bytes = e * num_tokens * layer.n_out * 3 // 2
+                sweep = [fused.SiluLoRAConfig(bm, bn, ct, nw, ns) for bm, bn, ct, nw, ns in
+                         [(32, 64, 4, 4, 1), (16, 128, 2, 4, 1)]]
+            in_place = lambda: (lora_expand(inter, layer.b, layer.rank, meta, layer.offsets, y), plain())  # noqa: E731
+            row = dict(op=name, ranks=key, T=num_tokens, plain_us=graph_us([plain], reps),
+                       in_place_us=graph_us([in_place], reps), fused_us=graph_us([fused_op], reps),
+                       plain_floor_us=1e6 * op_bytes / bw, sweep=[])
+            for cfg in sweep:
+                row["sweep"].append((repr(cfg), graph_us([lambda cfg=cfg: fused_op(cfg)], reps)))
+            best = min(row["sweep"], key=lambda c: c[1])
+            rows.append(row)
+            print(f"{name:8s} ranks {key:5s} plain {row['plain_us']:7.1f} (floor {row['plain_floor_us']:6.1f})  "
+                  f"expand in place + plain {row['in_place_us']:7.1f}  factors {row['fused_us']:7.1f}  "
+                  f"best shape {best[1]:7.1f} {best[0]}")
+            del layer, x, y, inter, factors
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="a short run: 2 layers, 3 token counts")
     size.add_argument("--full", action="store_true", help="every combination (long)")
     parser.add_argument("--sweep", action="store_true", help="also time alternative kernel shapes")
+    parser.add_argument("--decode-grid", action="store_true",
+                        help="only the decode pair at T = 32/128/256 and 8/64/256 adapters (and what follows)")
+    parser.add_argument("--prefill", action="store_true", help="the prefill shrink and expand at T = 8192")
+    parser.add_argument("--consumers", action="store_true", help="the ops that take LoRA factors, at T = 8192")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")
     parser.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a JSON result")
@@ -385,6 +579,13 @@ def main():
     data = dict(device=props.name, date=datetime.date.today().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, bandwidth=bw, matmul=rate,
                 max_loras=MAX_LORAS, dtype=str(DTYPE), cases=[], mixed=[], sweep=[])
+    if args.decode_grid or args.prefill or args.consumers:
+        data["decode_grid"] = decode_grid(bw, args.reps) if args.decode_grid else []
+        data["prefill"] = prefill_kernels(bw, args.reps) if args.prefill else []
+        data["consumers"] = consumers(bw, args.reps) if args.consumers else []
+        with open(os.path.join(args.out, "lora_kernels_grid.json"), "w") as f:
+            json.dump(data, f, indent=1)
+        return
     if args.sweep:
         data["sweep"] = sweep(layers, rng, args.reps)
     print(HEADER)

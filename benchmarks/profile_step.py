@@ -13,7 +13,10 @@ Each step is timed from the host (the step ends with a device sync: its tokens c
 few more run under the torch profiler, whose kernel times are summed by kind: GEMM, attention, LoRA
 shrink, LoRA expand, fused elementwise ops, other kernels; "GPU idle" is the step's wall time that no
 kernel covers (host work the GPU waits for). Prints one table per step kind and the LoRA/base ratio of
-step time; writes profile_step.json to --out.
+step time; writes profile_step.json to --out. The ops that expand a layer's LoRA factors (rotary, RMSNorm,
+SiLU*mul) count as elementwise. --factored-only LAYERS runs the LoRA engine's steps again with only those
+packed layers passing factors to the next op (the others adding their product in place), e.g.
+`--factored-only gate_up_proj`, or `--factored-only none`.
 
     python benchmarks/profile_step.py --model synthetic:llama-3-8b --adapters 8
     python benchmarks/profile_step.py --model synthetic:llama-3-8b --adapters 64 --lora-rank 8,16,32,64
@@ -43,7 +46,7 @@ KERNEL_KINDS = (
     ("LoRA shrink", ("_shrink_kernel",)),
     ("LoRA expand", ("_expand_kernel",)),
     ("attention", ("_prefill_kernel", "_decode_kernel", "_decode_reduce_kernel")),
-    ("elementwise", ("_rms_norm_kernel", "_silu", "_rotary")),
+    ("elementwise", ("_rms_norm", "_silu", "_rotary")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "sm90", "sm80", "cublas", "splitk")),
 )
 COLUMNS = ("GEMM", "attention", "LoRA shrink", "LoRA expand", "elementwise", "other")
@@ -60,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=None, help="step token budget (engine default)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per case (median)")
     p.add_argument("--profiled-steps", type=int, default=3)
+    p.add_argument("--factored-only", type=bc.str_list, default=None,
+                   help="also run the LoRA steps with only these packed layers passing factors ('none': no layer)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.profiled_steps = 2, 1
@@ -159,6 +164,23 @@ def run_engine(args, lora: bool, device) -> dict:
         engine.lora_manager.prepare(set(adapters), set())  # resident before timing: no load inside a step
     bc.fill_kv_random(engine)
     rng = np.random.default_rng(args.seed)
+    results = {"lora" if lora else "base": run_cases(engine, args, adapters, rng)}
+    if lora and args.factored_only is not None:
+        layers = [layer for _, layer in engine.lora_manager.runtime.layers]
+        default = [layer.factored for layer in layers]
+        packed = {tuple(slices): name for name, slices in engine.runner.model.packed_modules.items()}
+        for layer in layers:  # a packed layer by its name (qkv_proj), another by its module's (o_proj)
+            layer.factored = packed.get(layer.slice_names, layer.slice_names[0]) in args.factored_only
+        results[f"lora, factored: {','.join(args.factored_only)}"] = run_cases(engine, args, adapters, rng)
+        for layer, factored in zip(layers, default):
+            layer.factored = factored
+    del engine
+    bc.release_memory()
+    return results
+
+
+def run_cases(engine, args, adapters: list[str | None], rng) -> dict:
+    """The prefill and the mixed step on `engine`: median step time and kernel times by kind."""
     results = {}
     for kind in ("prefill", "mixed"):
         case = StepCase(engine, args, kind, adapters, rng)
@@ -171,8 +193,6 @@ def run_engine(args, lora: bool, device) -> dict:
         step = statistics.median(times)
         results[kind] = {"step_s": step, "tokens": tokens + (args.decode_rows if kind == "mixed" else 0),
                          "tok_s": (tokens + (args.decode_rows if kind == "mixed" else 0)) / step, "kernels_s": profile}
-    del engine, case
-    bc.release_memory()
     return results
 
 
@@ -181,9 +201,9 @@ def main(argv=None) -> int:
     device = bc.bench_device(args.device)
     if device.type != "cuda":
         raise SystemExit("profile_step needs CUDA (it reads kernel times from the CUDA profiler)")
-    results = {"base": run_engine(args, False, device)}
+    results = run_engine(args, False, device)
     if args.adapters:
-        results["lora"] = run_engine(args, True, device)
+        results.update(run_engine(args, True, device))
     for kind in ("prefill", "mixed"):
         rows = []
         for name, res in results.items():
@@ -194,8 +214,9 @@ def main(argv=None) -> int:
               + (f", {args.adapters} adapters of rank {','.join(map(str, args.lora_rank))}" if args.adapters else "")
               + (f", {args.decode_rows} decode rows at context {args.context}" if kind == "mixed" else "") + "), ms:")
         bc.print_table(["engine", "tokens", "step"] + list(COLUMNS) + ["GPU idle"], rows)
-        if "lora" in results:
-            print(f"LoRA / base step time: {results['lora'][kind]['step_s'] / results['base'][kind]['step_s']:.3f}")
+        for name in results:
+            if name != "base":
+                print(f"{name} / base step time: {results[name][kind]['step_s'] / results['base'][kind]['step_s']:.3f}")
     bc.write_json(args.out, "profile_step.json", {"benchmark": "profile_step", "args": vars(args),
                                                   "env": bc.environment(device), "results": results})
     return 0

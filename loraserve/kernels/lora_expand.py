@@ -4,19 +4,23 @@ One launch covers every slice of a packed layer (q/k/v, gate/up) and every
 adapter of a step. B's rank rows live in pool pages (lora_meta: each page row
 is one rank row of B^T over the packed output, read contiguously along the
 columns). The grid is static: groups of col_tiles column tiles of the packed
-output times the same token-tile axis as the shrink (token_programs: its
-programs take tiles in turn, each tile's (slot, tile within slot) read from
-the step's tile map); neither the pool's size nor max_loras grows it. Programs past the last tile return at once; the K loop runs
-over the adapter's own rank only (in steps of BLOCK_R), so a rank-8 adapter
-reads and computes rank 8 whatever max_lora_rank is. A column tile that
-straddles a slice boundary handles each slice under a mask. The sum is added
-into y in place (y may be a column range of a larger tensor); rows of tokens
-without a slot are never touched.
+output times the same token-tile axis as the shrink (token_programs); neither
+the pool's size nor max_loras grows it. The work is spread over those programs
+at run time: a work item is a token tile (from the step's tile map and its tile
+count) and a run of column tiles, col_tiles of them, or more where the step has
+more token tiles than the grid has programs for (many adapters of a few tokens
+each), so that each program still takes one item and finds its tokens once;
+programs without an item return at once. The K loop runs over the adapter's own
+rank only (in steps of BLOCK_R), so a rank-8 adapter reads and computes rank 8
+whatever max_lora_rank is. A column tile that straddles a slice boundary
+handles each slice under a mask. The sum is added into y in place (y may be a
+column range of a larger tensor); rows of tokens without a slot are never
+touched.
 
 With overwrite=True the kernel writes y = product instead, without reading y:
-the token-tile axis then also covers the rows of adapters of rank 0 and of
-tokens without a slot (one more group, slot L, the base tokens at the end of
-the sorted ids), which get zeros. That fills a LoRA delta with no memset before it.
+the items then also cover the rows of adapters of rank 0 and of tokens without
+a slot (one more group, slot L, the base tokens at the end of the sorted ids),
+which get zeros. That fills a LoRA delta with no memset before it.
 
 The product is rounded to y's dtype before the add: y = round(y + round(product)), what
 PEFT's separately computed LoRA output gives, and what adding a rounded delta later gives.
@@ -30,8 +34,7 @@ import triton.language as tl
 
 from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, pdl_launch
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
-from loraserve.kernels.lora_shrink import (check_meta, check_pages, dot_precision, slot_of_tile, slot_work,
-                                           token_programs)
+from loraserve.kernels.lora_shrink import check_meta, check_pages, dot_precision, slot_work, token_programs
 
 # Token counts up to this use the decode-shaped expand (16-token tiles).
 EXPAND_DECODE_MAX_TOKENS = 64
@@ -89,8 +92,8 @@ def _add_slice_products(acc, inter_rows, b_ptr, page_row, tok_ok, cols, col0, ra
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _expand_kernel(
-    inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, y_ptr,
-    num_tokens, n_out, rank_max, num_loras, num_tiles,
+    inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, tiles_ptr, page_ptr, y_ptr,
+    num_tokens, n_out, rank_max, num_tiles,
     stride_it, stride_ir, stride_bp, stride_br, stride_bn, stride_pa, stride_yt, stride_yn,
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -101,12 +104,24 @@ def _expand_kernel(
     # the whole shrink grid, and the expand has work on every tile where the shrink has some (an
     # adapter's tokens of rank > 0), so whenever the shrink does anything the expand's completion
     # implies the shrink's (what the next shrink, reusing the tile counters, needs).
-    # The program's token tiles: tile, tile + G, ... (G programs on this axis) up to the first past the last
-    # (and without overwrite, up to the base tokens' tiles, which come after every adapter's).
-    tile = tl.program_id(1)
-    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
-    while (slot >= 0) & (OVERWRITE | (slot < num_loras)):
-        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(1), map_ptr, num_tiles)  # its load overlaps
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    # the tiles to cover: the adapters' (the map's first entries), and with overwrite the base tokens' too
+    if OVERWRITE:
+        tiles = tl.minimum(tl.load(tiles_ptr + 1), num_tiles)
+    else:
+        tiles = tl.minimum(tl.load(tiles_ptr), num_tiles)
+    n_col_tiles = tl.cdiv(n_out, BLOCK_N)
+    # a work item is (token tile, run of `run` column tiles): at least COL_TILES, more where the step has
+    # more token tiles than the grid has programs for, so that each program still gets one item
+    run = tl.maximum(tl.cdiv(tiles * n_col_tiles, programs), COL_TILES)
+    runs = tl.cdiv(n_col_tiles, run)
+    u = pid
+    while u < tiles * runs:  # program pid takes items pid, pid + programs, ...
+        tile = u // runs
+        first_col_tile = (u % runs) * run
+        code = tl.load(map_ptr + tile)
+        slot, m_tile = code >> 16, code & 0xFFFF
         rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
         if OVERWRITE | (rank > 0):  # else an adapter that does not target this layer: rows left as they are
             offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -114,9 +129,9 @@ def _expand_kernel(
             tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
             inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
             y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
-            page_row = page_ptr + adapter.to(tl.int64) * stride_pa
-            for j in range(COL_TILES):
-                col0 = (tl.program_id(0) * COL_TILES + j) * BLOCK_N
+            page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
+            for j in range(tl.minimum(run, n_col_tiles - first_col_tile)):
+                col0 = (first_col_tile + j) * BLOCK_N
                 cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
                 # y is read before the products so that its load overlaps theirs
                 mask = tok_ok[:, None] & (cols < n_out)[None, :]
@@ -133,8 +148,7 @@ def _expand_kernel(
                 product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
                 tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype),
                          mask=mask)
-        tile += tl.num_programs(1)
-        slot, m_tile = next_slot, next_m_tile
+        u += programs
 
 
 _expand_launch = CachedLauncher(_expand_kernel)
@@ -197,11 +211,12 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         return
     cfg = config or expand_config(num_tokens)
     grid = expand_grid(cfg, num_tokens, n_out, num_loras, overwrite)
+    tile_map = meta.tile_map(cfg.block_m)
     launch = functools.partial(_expand_launch.call_and_bind, variable=("num_tokens",)) if bind else _expand_launch
     return launch(grid,
         inter, lora_b, lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter,
-        meta.tile_map(cfg.block_m), meta.page_table, y,
-        num_tokens, n_out, rank_max, num_loras, meta.tile_map(cfg.block_m).shape[0],
+        tile_map, meta.tile_count(cfg.block_m), meta.page_table, y,
+        num_tokens, n_out, rank_max, tile_map.shape[0],
         inter.stride(0), inter.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), meta.page_table.stride(0), y.stride(0), y.stride(1),
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
@@ -230,4 +245,11 @@ class LoRAFactors:
     @property
     def rank_width(self) -> int:
         return self.inter.shape[1] // (len(self.slice_offsets) - 1)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The product as a [T, N] delta of `dtype` (zeros on rows without one): for an op that does not
+        expand factors itself."""
+        delta = torch.empty(self.inter.shape[0], self.lora_b.shape[2], dtype=dtype, device=self.inter.device)
+        lora_expand(self.inter, self.lora_b, self.lora_rank, self.meta, self.slice_offsets, delta, overwrite=True)
+        return delta
 

@@ -2,16 +2,20 @@
 
 One launch covers all slices and all adapters of a step. A's rank rows live in
 pool pages (lora_meta: PAGE_RANK rows per page, found through the page table),
-so each row is gathered from its page. Tokens are grouped by slot (LoRAMeta);
-the grid has static sizes only: a token-tile axis of G = cdiv(T, BLOCK_M) +
-min(L, T, LOOSE_TILES) programs and an axis over row tiles of the S*R rows of
-the output times the split-K factor; neither the pool's size nor max_loras
-grows it. Program p of the token axis takes tiles p, p + G, ... (so any split
-of T tokens over L slots is covered), each tile's (slot, tile within the slot)
-read from the step's tile map (one load); it stops at the first tile past the
-last or on the tokens without an adapter, and skips row tiles that lie wholly
-beyond their adapter's rank. Rows beyond the rank are masked, so they
-are neither read nor counted.
+so each row is gathered from its page. Tokens are grouped by slot (LoRAMeta).
+The grid has static sizes only: G = cdiv(T, BLOCK_M) + min(L, T, LOOSE_TILES)
+token-tile programs times the row tiles of the S*R rows times the static
+split-K factor (SPLIT_K); neither the pool's size nor max_loras grows it. The
+work is spread over those programs at run time: a work item is (token tile of
+an adapter, row tile, split), the token tiles read from the step's tile map
+(one load each) and their number from its tile count. The split factor is the
+largest (at most SPLIT_K) that still gives every item a program of its own, so a
+step of few adapters splits K as far as SPLIT_K and a step of many adapters
+(more tiles than G) splits it less instead of running its tiles in turn;
+beyond one split, programs take items in turn (p, p + programs, ...). The rows
+of an item are the adapter's own S*rank rows (slice j // rank, rank row j %
+rank): a row tile wholly beyond them is skipped at once, and an adapter of
+rank r costs cdiv(S*r, BLOCK_N) row tiles whatever max_lora_rank is.
 
 Two static shapes: decode (T <= SHRINK_DECODE_MAX_TOKENS) splits K up to 16
 ways so that the few tiles of each adapter still spread its A rows over many
@@ -22,8 +26,10 @@ tile's counter (LoRAMeta.tile_counters, acquire-release atomic); the last one
 loads the other partials, sums all of them in split order (so the result is
 bit-identical whichever program comes last, which the start-up graph-vs-eager
 check relies on), writes the tile and puts the counter back to 0 for the next
-launch (so the kernel replays in a CUDA graph any number of times). The choice
-depends on T alone, so one CUDA graph bucket always runs the same kernel.
+launch (so the kernel replays in a CUDA graph any number of times). The shape
+depends on T alone, so one CUDA graph bucket always runs the same kernel; the
+split it takes depends on the step's tiles, read on the device (the same
+metadata gives the same split, in a graph or not).
 """
 import functools
 from dataclasses import dataclass
@@ -36,7 +42,8 @@ from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, next_pow
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, LoRAMeta
 
 # Programs on the token-tile axis beyond one per BLOCK_M tokens: up to this many adapters' partial tiles run
-# side by side; with more adapters in a step, programs take several tiles each (token_programs).
+# side by side at the full split; with more adapters in a step, K is split less (or programs take several
+# work items each), so the grid does not grow with max_loras (token_programs).
 LOOSE_TILES = 8
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
 # H200 with 8 adapters: at T = 128..256 the prefill shape leaves too few programs.
@@ -90,31 +97,51 @@ def slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr):
     return tl.where(adapter >= 0, rank, 0), count, start, adapter
 
 
+@triton.jit
+def shrink_split(programs, lora_tiles, row_tiles, hidden, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """(split-K factor, hidden features per split) of a shrink launch of `programs` programs over lora_tiles
+    token tiles x row_tiles row tiles: the most splits (at most SPLIT_K) for which every (tile, row tile,
+    split) gets a program of its own, at least 1; every split non-empty. Mirrored on the host by
+    lora_shrink.effective_split."""
+    split = tl.minimum(tl.maximum(programs // tl.maximum(lora_tiles * row_tiles, 1), 1),
+                       tl.minimum(SPLIT_K, tl.cdiv(hidden, BLOCK_K)))
+    k_per_split = tl.cdiv(tl.cdiv(hidden, split), BLOCK_K) * BLOCK_K
+    return tl.cdiv(hidden, k_per_split), k_per_split
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _shrink_kernel(
-    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, part_ptr, out_ptr,
-    counter_ptr, num_tokens, hidden, sr, rank_max, num_loras, num_tiles, k_per_split,
+    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, tiles_ptr, page_ptr, part_ptr,
+    out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max, num_tiles,
     stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
     stride_ot, stride_on, stride_ct,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, REDUCE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
     PAGE: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the expand launched after this may start its prologue now (it waits before reading out)
         tl.extra.cuda.gdc_launch_dependents()
-    n_tile = tl.program_id(0) // SPLIT_K
-    split = tl.program_id(0) % SPLIT_K
-    tile = tl.program_id(1)
-    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
-    # the program's token tiles: tile, tile + G, ... (G programs on this axis) while they hold adapter tokens
-    # (the tile map lists the adapters' tiles first, then the base tokens', then -1)
-    while (slot >= 0) & (slot < num_loras):
-        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(1), map_ptr, num_tiles)  # its load overlaps
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    lora_tiles = tl.minimum(tl.load(tiles_ptr), num_tiles)  # the map's first lora_tiles entries: adapters' tokens
+    row_tiles = tl.cdiv(num_slices * rank_max, BLOCK_N)
+    split_k, k_per_split = shrink_split(programs, lora_tiles, row_tiles, hidden, BLOCK_K, SPLIT_K)
+    per_tile = row_tiles * split_k
+    # work item u = (token tile, row tile, split); program pid takes u = pid, pid + programs, ...
+    u = pid
+    while u < lora_tiles * per_tile:
+        tile = u // per_tile
+        n_tile = (u % per_tile) // split_k
+        split = u % split_k
+        code = tl.load(map_ptr + tile)
+        slot, m_tile = code >> 16, code & 0xFFFF
         rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
-        rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # output rows s*R + r: [BLOCK_N]
-        r = rows % rank_max
-        row_ok = (rows < sr) & (r < rank)
-        if tl.max(row_ok.to(tl.int32), 0) > 0:  # else: every row lies beyond the adapter's rank
+        if n_tile * BLOCK_N < num_slices * rank:  # else: every row lies beyond the adapter's rank
+            # rows j of the adapter's own S*rank rows: slice j // rank, rank row j % rank
+            rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows: [BLOCK_N]
+            row_ok = rows < num_slices * rank
+            s = rows // tl.maximum(rank, 1)
+            r = rows % tl.maximum(rank, 1)
             offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
             tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
             tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
@@ -122,8 +149,7 @@ def _shrink_kernel(
             # each row of A from its page: [BLOCK_N] pages, rows s*PAGE + r % PAGE within the page
             page = tl.load(page_ptr + adapter.to(tl.int64) * stride_pa + r // PAGE, mask=row_ok, other=0)
             x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
-            a_rows = (a_ptr + page.to(tl.int64)[None, :] * stride_ap
-                      + ((rows // rank_max) * PAGE + r % PAGE)[None, :] * stride_an)
+            a_rows = a_ptr + page.to(tl.int64)[None, :] * stride_ap + (s * PAGE + r % PAGE)[None, :] * stride_an
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for kk in range(0, k_per_split, BLOCK_K):
                 offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
@@ -134,23 +160,25 @@ def _shrink_kernel(
                             mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
                 acc += tl.dot(x, a, input_precision=PRECISION)
 
-            mask = tok_ok[:, None] & (rows < sr)[None, :]
-            # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
-            part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + rows[None, :] * stride_pn
-            tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
-            if REDUCE:
+            mask = tok_ok[:, None] & row_ok[None, :]
+            cols = s * rank_max + r  # the intermediate's columns s*R + r: [BLOCK_N]
+            dst = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+            if split_k == 1:
+                tl.store(dst, acc, mask=mask)
+            else:
+                # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
+                part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + cols[None, :] * stride_pn
+                tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
                 tl.debug_barrier()  # every thread's partial is stored before the release below
                 counter = counter_ptr + tile * stride_ct + n_tile
-                if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:  # the last of the SPLIT_K
+                if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:  # the last of the split_k
                     total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for s in tl.static_range(SPLIT_K):  # fixed order, whichever program is last
+                    for p in range(split_k):  # in split order, whichever program is last
                         # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
-                        total += tl.load(part + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                    tl.store(out_ptr + tok.to(tl.int64)[:, None] * stride_ot + rows[None, :] * stride_on,
-                             total, mask=mask)
+                        total += tl.load(part + p * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+                    tl.store(dst, total, mask=mask)
                     tl.store(counter, 0)
-        tile += tl.num_programs(1)
-        slot, m_tile = next_slot, next_m_tile
+        u += programs
 
 
 _shrink_launch = CachedLauncher(_shrink_kernel)
@@ -159,13 +187,15 @@ _SHRINK_VARIABLE = ("x_ptr", "num_tokens", "stride_xt", "stride_xk")  # what a b
 
 def token_programs(num_tokens: int, block_m: int, num_loras: int) -> int:
     """Programs on the token-tile axis: enough for every tile of T tokens over at most LOOSE_TILES adapters
-    at once; with more adapters (more, smaller tiles) each program takes several tiles in turn, so the grid
-    does not grow with max_loras."""
+    at once; with more adapters (more, smaller tiles) the kernels spread the tiles over the same programs
+    (the shrink splits K less, the expand gives each program more columns; beyond that programs take
+    several in turn), so the grid does not grow with max_loras."""
     return cdiv(num_tokens, block_m) + min(num_loras, num_tokens, LOOSE_TILES)
 
 
 def shrink_grid(cfg: ShrinkConfig, num_tokens: int, sr: int, num_loras: int) -> tuple[int, int]:
-    """(row tiles x split-K programs, token-tile programs): static sizes only (the module docstring)."""
+    """(row tiles x split-K programs, token-tile programs): static sizes only; the kernel spreads the step's
+    work items over all of them (the module docstring)."""
     return (cdiv(sr, cfg.block_n) * cfg.split_k, token_programs(num_tokens, cfg.block_m, num_loras))
 
 
@@ -210,31 +240,42 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor,
     if num_tokens == 0:
         return
     grid = shrink_grid(cfg, num_tokens, sr, num_loras)
-    reduce = cfg.split_k > 1
     # partial: [split_k, T, S*R]; each split writes its own slice (the last one of a tile sums them into out)
-    if not reduce:
-        partial = out.unsqueeze(0)
+    if cfg.split_k == 1:
+        partial = out.unsqueeze(0)  # never written: one split writes out directly
     else:
-        check_counters(meta.tile_counters, grid[1], grid[0] // cfg.split_k)
+        check_counters(meta.tile_counters, cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens),
+                       cdiv(sr, cfg.block_n))
         if partials is None:
             partials = torch.empty(cfg.split_k, num_tokens, sr, dtype=torch.float32, device=x.device)
         elif partials.shape != (cfg.split_k, num_tokens, sr) or partials.dtype != torch.float32:
             raise ValueError(f"partials must be [{cfg.split_k}, {num_tokens}, {sr}] float32, "
                              f"got {list(partials.shape)} {partials.dtype}")
         partial = partials
-    k_per_split = cdiv(cdiv(hidden, cfg.split_k), cfg.block_k) * cfg.block_k
+    tile_map = meta.tile_map(cfg.block_m)
     launch = functools.partial(_shrink_launch.call_and_bind, variable=_SHRINK_VARIABLE) if bind else _shrink_launch
     return launch(grid,
         x, lora_a, lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter,
-        meta.tile_map(cfg.block_m), meta.page_table, partial, out, meta.tile_counters,
-        num_tokens, hidden, sr, sr // num_slices, num_loras, meta.tile_map(cfg.block_m).shape[0], k_per_split,
+        tile_map, meta.tile_count(cfg.block_m), meta.page_table, partial, out, meta.tile_counters,
+        num_tokens, hidden, num_slices, sr // num_slices, tile_map.shape[0],
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), meta.page_table.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
         meta.tile_counters.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, REDUCE=reduce, PRECISION=dot_precision(x.dtype),
-        PAGE=PAGE_RANK, PDL=pdl_supported(x), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
+        PRECISION=dot_precision(x.dtype), PAGE=PAGE_RANK, PDL=pdl_supported(x),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def effective_split(cfg: ShrinkConfig, grid: tuple[int, int], lora_tiles: int, hidden: int, sr: int
+                    ) -> tuple[int, int]:
+    """(split-K factor, hidden features per split) that a shrink launch of this shape and grid takes when the
+    step has lora_tiles token tiles of adapters: the kernel's shrink_split on the host (tests, tuning)."""
+    programs = grid[0] * grid[1]
+    split = min(max(programs // max(lora_tiles * cdiv(sr, cfg.block_n), 1), 1), cfg.split_k,
+                cdiv(hidden, cfg.block_k))
+    k_per_split = cdiv(cdiv(hidden, split), cfg.block_k) * cfg.block_k
+    return cdiv(hidden, k_per_split), k_per_split
 
 
 def check_counters(counters: torch.Tensor, token_tiles: int, row_tiles: int):

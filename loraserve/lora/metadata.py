@@ -38,9 +38,10 @@ class LoRAMetaBuilder:
         self.device = page_table.device
         # the tile maps' lengths: at most this many non-empty tiles (the slots' and the base group's)
         self._map_sizes = [-(-max_tokens // bm) + min(max_loras, max_tokens) + 1 for bm in TILE_BLOCKS]
-        size = 2 * max_tokens + 3 * (max_loras + 1) + sum(self._map_sizes)
+        size = 2 * max_tokens + 3 * (max_loras + 1) + 2 * len(TILE_BLOCKS) + sum(self._map_sizes)
         is_cuda = self.device.type == "cuda"
-        # buf: [size] int32 = token_slots | sorted_token_ids | slot_start | slot_count | slot_adapter | tile maps
+        # buf: [size] int32 = token_slots | sorted_token_ids | slot_start | slot_count | slot_adapter | tile counts
+        # | tile maps
         self._device_buf = torch.full((size,), -1, dtype=torch.int32, device=self.device)
         self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=is_cuda)
                          for _ in range(2 if is_cuda else 1)]
@@ -49,19 +50,22 @@ class LoRAMetaBuilder:
         # counters: [cdiv(Tmax, 16) + min(L, Tmax), COUNTER_ROW_TILES], one per shrink output tile
         tiles = -(-max_tokens // COUNTER_BLOCK_M) + min(max_loras, max_tokens)
         counters = torch.zeros(tiles, COUNTER_ROW_TILES, dtype=torch.int32, device=self.device)
-        *fields, maps = self._split(self._device_buf)
-        self.meta = LoRAMeta(*fields, maps, page_table, counters)
+        *fields, maps, counts = self._split(self._device_buf)
+        self.meta = LoRAMeta(*fields, maps, counts, page_table, counters)
 
     def _split(self, buf):
-        """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps)."""
+        """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps),
+        tile counts [len(TILE_BLOCKS), 2]."""
         t, n = self.max_tokens, self.max_loras + 1
         views = [buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n], buf[2 * t + n:2 * t + 2 * n],
                  buf[2 * t + 2 * n:2 * t + 3 * n]]
-        offset, maps = 2 * t + 3 * n, []
+        offset = 2 * t + 3 * n
+        counts = buf[offset:offset + 2 * len(TILE_BLOCKS)].view(len(TILE_BLOCKS), 2)
+        offset, maps = offset + 2 * len(TILE_BLOCKS), []
         for size in self._map_sizes:
             maps.append(buf[offset:offset + size])
             offset += size
-        return (*views, tuple(maps))
+        return (*views, tuple(maps), counts)
 
     def build(self, token_adapters: np.ndarray) -> LoRAMeta:
         """Write the metadata of one step; token_adapters: [T] adapter ids (rows of the page table), -1 = none.
@@ -88,8 +92,9 @@ class LoRAMetaBuilder:
         if self._copy_done[index] is not None:
             self._copy_done[index].synchronize()
         staging = self._staging[index]
-        *fields, maps = self._split(staging)
+        *fields, maps, tile_counts = self._split(staging)
         ts, sorted_ids, start, count, adapter = (v.numpy() for v in fields)
+        tile_counts = tile_counts.numpy()
 
         # keys: [T], base tokens sort after every slot (the base group is slot L)
         keys = np.where(slots < 0, self.max_loras, slots)
@@ -102,7 +107,7 @@ class LoRAMetaBuilder:
         adapter[:adapters.size] = adapters
         adapter[adapters.size:] = -1
         groups = np.arange(self.max_loras + 1, dtype=np.int64)
-        for bm, tile_map in zip(TILE_BLOCKS, maps):
+        for i, (bm, tile_map) in enumerate(zip(TILE_BLOCKS, maps)):
             tiles = -(-count.astype(np.int64) // bm)  # [L+1] tiles per slot
             first = np.cumsum(tiles) - tiles
             total = int(tiles.sum())
@@ -110,6 +115,7 @@ class LoRAMetaBuilder:
             codes = tile_map.numpy()
             codes[:total] = (slot_of << 16) | (np.arange(total) - np.repeat(first, tiles))
             codes[total:] = -1
+            tile_counts[i] = (total - tiles[-1], total)  # the adapters' tiles come before the base group's
 
         self._device_buf.copy_(staging, non_blocking=True)
         if self._copy_done[index] is not None:

@@ -107,7 +107,7 @@ def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora
     0 < T <= scratch.max_tokens. The delta is a view of the scratch: valid until the next call with it.
     """
     num_tokens, hidden = x.shape
-    num_loras = meta.slot_count.shape[0]
+    num_loras = meta.num_loras  # the grids of lora_shrink and lora_expand: the bound launches take the same split
     sr = (len(slice_offsets) - 1) * meta.rank_width
     n_out = lora_b.shape[2]
     if not 0 < num_tokens <= scratch.max_tokens:

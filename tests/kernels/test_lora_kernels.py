@@ -21,13 +21,14 @@ import pytest
 import torch
 
 from loraserve.kernels.launch import cdiv
-from loraserve.kernels.fused import silu_and_mul
-from loraserve.kernels.fused_reference import silu_and_mul_ref
+from loraserve.kernels import fused
+from loraserve.kernels.fused import rms_norm, rotary_and_cache, silu_and_mul
+from loraserve.kernels.fused_reference import rms_norm_ref, rotary_and_cache_ref, silu_and_mul_ref
 from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, expand_config, lora_expand
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
+from loraserve.kernels.lora_shrink import ShrinkConfig, effective_split, lora_shrink, shrink_config, shrink_grid
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.side_stream import LoRAScratch, lora_delta
 
@@ -180,6 +181,10 @@ CASES = [
     # more adapters than LOOSE_TILES: the token-axis programs take several tiles each
     (64, (48, 16), 16, 24, 40, "distinct", 0.1, None, None),
     (72, (40,), 8, 20, 100, "uniform", 0.2, PREFILL, PREFILL),
+    # a step of many adapters of a few tokens each: the expand gives each program a longer run of
+    # column tiles (and past that, programs take several items in turn); the shrink splits K less
+    (64, (200,), 8, 30, 40, "distinct", 0.1, SPLIT_SHRINK, NARROW_EXPAND),
+    (200, (120, 40, 40), 24, 100, 100, "distinct", 0.2, None, NARROW_EXPAND),
 ]
 
 
@@ -240,6 +245,126 @@ def test_silu_and_mul_expands_lora_factors(inter_size, rank_max, num_loras, num_
     check_silu_and_mul_factors(11, inter_size, rank_max, num_loras, num_tokens, kind, base)
 
 
+def factors_case(seed, hidden_out, slice_sizes, rank_max, num_loras, num_tokens, kind, base, dtype, device):
+    """LoRA factors of a layer whose output has `slice_sizes` columns: a case (make_case) and its
+    poisoned intermediate (NaN wherever no kernel may read), as LoRAFactors."""
+    case = make_case(seed, 16, slice_sizes, rank_max, num_loras, num_tokens, kind, base, dtype=dtype, device=device)
+    inter = poisoned_inter(case, case["meta"].rank_width)
+    return case, LoRAFactors(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"])
+
+
+def plain_rows(case, device):
+    """[T] bool: the rows that get no product (no adapter, or an adapter of rank 0 in the layer)."""
+    return torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]], device=device)
+
+
+def check_rms_norm_factors(seed, dim, rank_max, num_loras, num_tokens, kind, base, dtype=torch.float32,
+                           device=DEVICE, rtol=1e-5, atol=1e-5, config=None):
+    """rms_norm with x's LoRA product as factors equals the product expanded into x (the reference expand,
+    rounded to x's dtype) followed by the reference rms_norm; rows without a product get the plain kernel's
+    bits, and the new residual of every row is x + product + residual rounded as the reference rounds it."""
+    case, factors = factors_case(seed, dim, (dim,), rank_max, num_loras, num_tokens, kind, base, dtype, device)
+    gen = case["gen"]
+    x = torch.randn(num_tokens, dim + 5, generator=gen).to(device, dtype)[:, 2:-3]  # strided rows
+    residual = torch.randn(num_tokens, dim, generator=gen).to(device, dtype)
+    weight = (1.0 + 0.1 * torch.randn(dim, generator=gen)).to(device, dtype)
+    merged = x.clone()
+    lora_expand_ref(factors.inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
+    want, want_res = rms_norm_ref(merged, weight, 1e-5, residual)
+    if config is None:
+        got, got_res = rms_norm(x, weight, 1e-5, residual, factors)
+    else:
+        got, got_res = fused._rms_norm_factors(x, weight, 1e-5, residual, factors, config)
+    # a product summed in another order may round to a neighbouring value of x's dtype
+    spread = (merged.float() - x.float()).abs()
+    bad = (got_res.float() - want_res.float()).abs() > atol + rtol * (want_res.float().abs() + spread)
+    assert not bad.any(), f"residual: {int(bad.sum())} of {bad.numel()} differ"
+    bad = (got.float() - want.float()).abs() > atol + rtol * (want.float().abs() + spread.amax(1, True))
+    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} differ; worst {(got - want).abs().max().item():.3g}"
+    plain, plain_res = rms_norm(x, weight, 1e-5, residual)  # rows without a product: bit for bit the plain kernel
+    rows = plain_rows(case, device)
+    assert torch.equal(got[rows], plain[rows]) and torch.equal(got_res[rows], plain_res[rows])
+
+
+def check_rotary_factors(seed, num_heads, num_kv_heads, head_dim, rank_max, num_loras, num_tokens, kind, base,
+                         dtype=torch.float32, device=DEVICE, rtol=1e-5, atol=1e-5, config=None):
+    """rotary_and_cache with the packed q/k/v output's LoRA product as factors equals the product expanded
+    into q/k/v (reference expand, rounded) followed by the reference rotary and cache write; rows without a
+    product get the plain kernel's bits."""
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    case, factors = factors_case(seed, 0, (q_size, kv_size, kv_size), rank_max, num_loras, num_tokens, kind, base,
+                                 dtype, device)
+    gen = case["gen"]
+    qkv = 3 * torch.randn(num_tokens, q_size + 2 * kv_size + 4, generator=gen).to(device, dtype)[:, 4:]
+    merged = qkv.clone()
+    lora_expand_ref(factors.inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
+
+    def heads(t):
+        q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
+                v.view(-1, num_kv_heads, head_dim))
+
+    max_pos, block_size = 100, 4
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(max_pos).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
+    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(device)
+    num_blocks = -(-num_tokens // block_size) + 2
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(device)
+    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
+              for _ in range(6)]
+    want_q = rotary_and_cache_ref(*heads(merged), positions, cos_sin, caches[0], caches[1], slots)
+    if config is None:
+        got_q = rotary_and_cache(*heads(qkv), positions, cos_sin, caches[2], caches[3], slots, factors)
+    else:
+        got_q = fused._rotary_and_cache_factors(*heads(qkv), positions, cos_sin, caches[2], caches[3], slots,
+                                                factors, config)
+    plain_q = rotary_and_cache(*heads(qkv), positions, cos_sin, caches[4], caches[5], slots)
+    spread = (merged.float() - qkv.float()).abs().amax(1)  # [T]: the product's largest term per row
+    for got, want, spread_rows in ((got_q, want_q, spread), (caches[2], caches[0], None), (caches[3], caches[1], None)):
+        if spread_rows is None:  # the caches: per token at its slot
+            got, want = got.view(-1, num_kv_heads, head_dim)[slots], want.view(-1, num_kv_heads, head_dim)[slots]
+        got, want = got.float(), want.float()
+        tol = atol + rtol * (want.abs() + spread.view(-1, 1, 1))
+        bad = (got - want).abs() > tol
+        assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} differ; worst {(got - want).abs().max().item():.3g}"
+    rows = plain_rows(case, device)
+    assert torch.equal(got_q[rows], plain_q[rows])
+    for got_c, plain_c in ((caches[2], caches[4]), (caches[3], caches[5])):
+        flat_got, flat_plain = (c.view(-1, num_kv_heads, head_dim)[slots[rows]] for c in (got_c, plain_c))
+        assert torch.equal(flat_got, flat_plain)
+
+
+@pytest.mark.parametrize("dim,rank_max,num_loras,num_tokens,kind,base", [
+    (40, 16, 3, 70, "skewed", 0.2),  # tiles of one adapter and tiles of several; dim under one column step
+    (300, 24, 4, 33, "distinct", 0.1),  # every row its own adapter; ranks past one BLOCK_R step; 2 column steps
+    (16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
+])
+def test_rms_norm_expands_lora_factors(dim, rank_max, num_loras, num_tokens, kind, base):
+    check_rms_norm_factors(12, dim, rank_max, num_loras, num_tokens, kind, base)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rank_max,num_loras,num_tokens,kind,base", [
+    (4, 2, 16, 16, 3, 40, "skewed", 0.2),
+    (3, 1, 40, 24, 4, 21, "distinct", 0.1),  # half not a power of two; 3 q heads in groups of 2
+    (2, 2, 16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
+])
+def test_rotary_and_cache_expands_lora_factors(num_heads, num_kv_heads, head_dim, rank_max, num_loras, num_tokens,
+                                               kind, base):
+    check_rotary_factors(13, num_heads, num_kv_heads, head_dim, rank_max, num_loras, num_tokens, kind, base)
+
+
+def test_rms_norm_without_residual_takes_factors_as_a_dense_delta():
+    case, factors = factors_case(14, 24, (24,), 8, 3, 20, "uniform", 0.2, torch.float32, DEVICE)
+    x = torch.randn(20, 24, generator=case["gen"]).to(DEVICE)
+    weight = torch.ones(24, device=DEVICE)
+    merged = x.clone()
+    lora_expand_ref(factors.inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
+    got, res = rms_norm(x, weight, 1e-5, None, factors)
+    assert res is None
+    torch.testing.assert_close(got, rms_norm_ref(merged, weight, 1e-5)[0], rtol=1e-5, atol=1e-5)
+
+
 def naive_lora(x, a, b, ranks, slots, offsets):
     """Per-token float64 loop: delta[t] = sum over slices of B_s[:, :r] A_s[:r] x[t]."""
     rank_max = b.shape[2]
@@ -281,11 +406,12 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 24, 70])
-def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens):
+@pytest.mark.parametrize("num_tokens,num_loras", [(1, 4), (24, 4), (70, 4), (90, 60)])
+def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras):
     """overwrite=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows
-    and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes)."""
-    case = make_case(8, 72, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.3, max_tokens=80)
+    and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes, and a
+    step of more adapters' tiles than the grid has programs)."""
+    case = make_case(8, 72, (40, 16, 16), 16, num_loras, num_tokens, "uniform", 0.3, max_tokens=100)
     slot_rank = case["slot_rank"].clone()
     off = int(np.max(case["slots"]))
     slot_rank[case["pool"]["ids"][off]] = 0  # an adapter that does not target this layer
@@ -314,27 +440,40 @@ def defined_mask(case, rank_max):
 
 def shrink_partials(x, a, slot_rank, meta, num_slices, cfg: ShrinkConfig) -> torch.Tensor:
     """[P, T, S*R]: what each of a split-K shrink's P programs computes over its own K range, by the same
-    kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial."""
-    k_per_split = cdiv(cdiv(x.shape[1], cfg.split_k), cfg.block_k) * cfg.block_k
+    kernel (same tiles, one split) launched on that range of x and A alone: bit for bit the partial. P is
+    the split the launch takes for this step's tiles (effective_split)."""
+    num_tokens, hidden = x.shape
+    sr = num_slices * meta.rank_width
+    grid = shrink_grid(cfg, num_tokens, sr, meta.num_loras)
+    lora_tiles = int(meta.tile_count(cfg.block_m)[0])
+    split, k_per_split = effective_split(cfg, grid, lora_tiles, hidden, sr)
     one_split = ShrinkConfig(cfg.block_m, cfg.block_n, cfg.block_k, 1, cfg.num_warps, cfg.num_stages)
-    parts = torch.full((cfg.split_k, x.shape[0], num_slices * meta.rank_width), float("nan"), device=x.device)
-    for p in range(cfg.split_k):
-        k = slice(p * k_per_split, min((p + 1) * k_per_split, x.shape[1]))
+    parts = torch.full((split, num_tokens, sr), float("nan"), device=x.device)
+    for p in range(split):
+        k = slice(p * k_per_split, min((p + 1) * k_per_split, hidden))
         lora_shrink(x[:, k], a[:, :, k], slot_rank, meta, num_slices, parts[p], one_split)
     return parts
 
 
-@pytest.mark.parametrize("num_tokens,hidden", [(24, 600), (70, 1030)])
-def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
+@pytest.mark.parametrize("num_tokens,hidden,num_loras,kind,want_split", [
+    (24, 600, 4, "uniform", 3),  # few adapters: the static split (decode shape)
+    (300, 1030, 4, "uniform", 2),  # the prefill shape
+    (40, 1030, 20, "distinct", 3),  # 18 adapters' tiles on the programs of 8: K split less
+    (40, 1030, 40, "distinct", 2),
+    (100, 1030, 100, "distinct", 1),  # more items than programs even unsplit: programs take several in turn
+])
+def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden, num_loras, kind, want_split):
     """The in-launch sum equals the [P, T, S*R] partials added in split order, bit for bit,
-    launch after launch (the counters go back to zero each time)."""
-    case = make_case(11, hidden, (40, 16, 16), 16, 4, num_tokens, "uniform", 0.2, max_tokens=80)
+    launch after launch (the counters go back to zero each time); the split is the one the step's tiles
+    leave room for."""
+    case = make_case(11, hidden, (40, 16, 16), 16, num_loras, num_tokens, kind, 0.2, max_tokens=320)
     sr = 3 * 16
     cfg = shrink_config(num_tokens, hidden, sr)
-    assert cfg.split_k > 1  # decode (T=24) and prefill (T=70) shapes both split K here
+    assert cfg.split_k > 1  # decode (T=24, 40) and prefill (T=300) shapes both split K here
     meta, counters = case["meta"], case["meta"].tile_counters
     args = (case["x"], case["a"], case["slot_rank"], meta, 3)
     parts = shrink_partials(*args, cfg)
+    assert parts.shape[0] == want_split
     defined = defined_mask(case, 16)
     expected = torch.zeros(num_tokens, sr, device=DEVICE)
     for p in parts:  # split 0, 1, ... in turn
@@ -350,6 +489,20 @@ def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden):
         assert torch.equal(out[defined], first[defined])
     ref = lora_shrink_ref(case["x"], case["a"], case["slot_rank"], meta, 3)
     check_shrink_result(case, first, ref, 16)
+
+
+def test_effective_split_spreads_the_work_items_over_the_grid():
+    """The split a launch takes: the static one while every item has a program, less as the step's tiles
+    grow, never an empty split, never below 1."""
+    cfg = ShrinkConfig(16, 16, 128, 16)
+    grid = (3 * 16, 2 + 8)  # 3 row tiles x 16 splits, 10 token-tile programs: 480 programs
+    assert effective_split(cfg, grid, 8, 4096, 48) == (16, 256)
+    assert effective_split(cfg, grid, 20, 4096, 48) == (8, 512)  # 480 // 60
+    assert effective_split(cfg, grid, 30, 4096, 48) == (5, 896)  # 480 // 90 = 5: splits of 7 K steps
+    assert effective_split(cfg, grid, 200, 4096, 48) == (1, 4096)
+    assert effective_split(cfg, grid, 0, 4096, 48) == (16, 256)
+    assert effective_split(cfg, grid, 8, 600, 48) == (5, 128)  # 5 K steps: at most 5 splits
+    assert effective_split(cfg, grid, 40, 600, 48) == (3, 256)  # room for 4, but 4 splits of 2 steps leave one empty
 
 
 def test_lora_apply_reuses_the_counters_across_sizes():
