@@ -19,12 +19,10 @@ pool of 1024 adapters' pages, each timed launch reading other adapters than the 
 floor: x, the distinct adapters' A and B, the delta written. --prefill times the shrink and the in-place
 expand of every layer at T = 8192 with 8 adapters of rank 16 or of ranks 8/16/32/64, against their floors.
 Both use only the kernels' public launch functions, so the same script measures another build of the package
-(PYTHONPATH) for a before/after table in one run. --consumers times, at T = 8192 and Llama-3-8B shapes, each
-op that takes LoRA factors (rotary + KV write for q/k/v, residual add + RMSNorm for o and down, SiLU*mul for
-gate/up) against the in-place expand followed by the plain op, and the plain op alone, and sweeps their shapes.
+(PYTHONPATH) for a before/after table in one run.
 
     python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
-    python benchmarks/lora_kernels.py --decode-grid --prefill --consumers --out DIR
+    python benchmarks/lora_kernels.py --decode-grid --prefill --out DIR
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
 """
 import argparse
@@ -364,7 +362,7 @@ def plot(data, path):
 
 GRID_TOKENS, GRID_ADAPTERS, GRID_POOL = (32, 128, 256), (8, 64, 256), 1024
 GRID_RANK, GRID_OPS = 16, 16
-DEV = "cuda"  # the device of the grid, prefill and consumer timings
+DEV = "cuda"  # the device of the grid and prefill timings
 
 
 class PoolLayer:
@@ -390,7 +388,7 @@ class PoolLayer:
         return sum(e * self.ranks[i] * (self.num_slices * self.hidden + self.n_out) for i in ids)
 
 
-def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS):
+def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS, expand_cfg=None):
     """Median us of the shrink, the expand and the pair in a CUDA graph over `ops` launches, each with its own
     step metadata naming other adapters (so that the adapters' bytes come from memory, not L2); and the bytes
     one launch must move."""
@@ -412,13 +410,14 @@ def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS):
         return lambda: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i])
 
     def expand(i):
-        return lambda: lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], overwrite=overwrite)
+        return lambda: lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], expand_cfg,
+                                   overwrite=overwrite)
 
     def pair(i):
         def run():
             lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i])
-            lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], overwrite=overwrite,
-                        after_shrink=True)
+            lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], expand_cfg,
+                        overwrite=overwrite, after_shrink=True)
         return run
 
     return dict(shrink_us=graph_us([shrink(i) for i in range(ops)], reps),
@@ -426,8 +425,9 @@ def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS):
                 us=graph_us([pair(i) for i in range(ops)], reps), bytes=float(np.mean(moved)))
 
 
-def decode_grid(bw, reps):
-    """The decode pair (shrink, expand into a delta) per layer, T and distinct adapters, against its byte floor."""
+def decode_grid(bw, reps, variants=False):
+    """The decode pair (shrink, expand into a delta) per layer, T and distinct adapters, against its byte floor;
+    with `variants`, the expand also with 32-token tiles at T > 64."""
     rows = []
     gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     print(f"\ndecode pair (shrink + expand into a delta), rank {GRID_RANK}, us (x byte floor)")
@@ -440,6 +440,12 @@ def decode_grid(bw, reps):
                 row = dict(layer=name, T=t, adapters=n, distinct=min(n, t))
                 row.update(time_pair(layer, t, min(n, t), rng, reps, overwrite=True))
                 row["floor_us"] = 1e6 * row["bytes"] / bw
+                if variants and t > 64:
+                    other = time_pair(layer, t, min(n, t), rng, reps, overwrite=True,
+                                      expand_cfg=ExpandConfig(32, 128, 16, num_warps=4))
+                    row["expand_bm32_us"], row["pair_bm32_us"] = other["expand_us"], other["us"]
+                    print(f"  {name} T={t} n={n}: expand {row['expand_us']:.2f} us, with 32-token tiles "
+                          f"{other['expand_us']:.2f} us (pair {row['us']:.2f} / {other['us']:.2f})")
                 rows.append(row)
                 cells.append(f"{row['us']:8.2f} ({row['us'] / row['floor_us']:4.2f}x)")
         print(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
@@ -472,75 +478,6 @@ def prefill_kernels(bw, reps, num_tokens=8192):
     return rows
 
 
-def consumers(bw, reps, num_tokens=8192, head_dim=128):
-    """Each op that takes LoRA factors against the in-place expand + plain op and the plain op alone, at T
-    tokens and Llama-3-8B shapes, 8 adapters of rank 16 (or mixed ranks); then a sweep of its shapes."""
-    from loraserve.kernels import fused
-    from loraserve.kernels.lora_expand import LoRAFactors
-
-    gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
-    rows = []
-    q_size, kv_size = LAYERS["qkv"][1][:2]
-    heads, kv_heads = q_size // head_dim, kv_size // head_dim
-    positions = torch.randint(0, 8192, (num_tokens,), device=DEV)
-    inv = 1.0 / (500000.0 ** (torch.arange(0, head_dim, 2, device=DEV).float() / head_dim))
-    freqs = torch.outer(torch.arange(8192, device=DEV).float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
-    caches = [torch.empty(num_tokens // 16 + 1, 16, kv_heads, head_dim, device=DEV, dtype=DTYPE) for _ in range(2)]
-    # y's rows are written in place by the expand over and over: keep its values small (timing only)
-    slots = torch.randperm(num_tokens, device=DEV)
-    e = DTYPE.itemsize
-    print(f"\nops taking LoRA factors, T={num_tokens}, 8 adapters: us")
-    for key, ranks in (("16", (16,)), ("mixed", (8, 16, 32, 64))):
-        for name in ("qkv", "o", "gate_up"):
-            layer = PoolLayer(name, 64, max(ranks), ranks, gen)
-            ids = rng.permutation(64)[:8]
-            meta = LoRAMetaBuilder(num_tokens, 8, layer.table).build(ids[np.arange(num_tokens) * 8 // num_tokens])
-            x = torch.randn(num_tokens, layer.hidden, device=DEV, dtype=DTYPE)
-            y = torch.randn(num_tokens, layer.n_out, device=DEV, dtype=DTYPE)
-            inter = torch.empty(num_tokens, layer.num_slices * layer.rank_max, device=DEV)
-            lora_shrink(x, layer.a, layer.rank, meta, layer.num_slices, inter)
-            factors = LoRAFactors(inter, layer.b, layer.rank, meta, layer.offsets)
-            if name == "qkv":
-                q, k, v = y.split([q_size, kv_size, kv_size], dim=-1)
-                q, k, v = q.view(-1, heads, head_dim), k.view(-1, kv_heads, head_dim), v.view(-1, kv_heads, head_dim)
-                args = (q, k, v, positions, cos_sin, caches[0], caches[1], slots)
-                plain = lambda: fused.rotary_and_cache(*args)  # noqa: E731
-                fused_op = lambda cfg=None: fused._rotary_and_cache_factors(*args, factors, cfg)  # noqa: E731
-                op_bytes = e * num_tokens * (2 * layer.n_out)
-                sweep = [fused.RotaryLoRAConfig(bm, hb, nw, ns) for bm, hb, nw, ns in
-                         [(16, 2, 4, 1), (32, 1, 4, 1), (32, 4, 4, 1), (64, 2, 8, 1), (32, 2, 4, 2)]]
-            elif name == "o":
-                residual = torch.randn_like(y)
-                weight = torch.ones(layer.n_out, device=DEV, dtype=DTYPE)
-                plain = lambda: fused.rms_norm(y, weight, 1e-5, residual)  # noqa: E731
-                fused_op = lambda cfg=None: fused._rms_norm_factors(y, weight, 1e-5, residual, factors, cfg)  # noqa: E731
-                op_bytes = e * num_tokens * 4 * layer.n_out
-                sweep = [fused.RMSNormLoRAConfig(bm, bn, ns) for bm, bn, ns in
-                         [(16, 128, 2), (16, 512, 2), (32, 256, 2), (16, 256, 1), (16, 256, 3)]]
-            else:
-                plain = lambda: fused.silu_and_mul(y)  # noqa: E731
-                fused_op = lambda cfg=None: fused._silu_and_mul_factors(y, factors, torch.empty(  # noqa: E731
-                    num_tokens, layer.n_out // 2, device=DEV, dtype=DTYPE), cfg)
-                op_bytes = e * num_tokens * layer.n_out * 3 // 2
-                sweep = [fused.SiluLoRAConfig(bm, bn, ct, nw, ns) for bm, bn, ct, nw, ns in
-                         [(32, 64, 4, 4, 1), (16, 128, 2, 4, 1)]]
-            in_place = lambda: (lora_expand(inter, layer.b, layer.rank, meta, layer.offsets, y), plain())  # noqa: E731
-            row = dict(op=name, ranks=key, T=num_tokens, plain_us=graph_us([plain], reps),
-                       in_place_us=graph_us([in_place], reps), fused_us=graph_us([fused_op], reps),
-                       plain_floor_us=1e6 * op_bytes / bw, sweep=[])
-            for cfg in sweep:
-                row["sweep"].append((repr(cfg), graph_us([lambda cfg=cfg: fused_op(cfg)], reps)))
-            best = min(row["sweep"], key=lambda c: c[1])
-            rows.append(row)
-            print(f"{name:8s} ranks {key:5s} plain {row['plain_us']:7.1f} (floor {row['plain_floor_us']:6.1f})  "
-                  f"expand in place + plain {row['in_place_us']:7.1f}  factors {row['fused_us']:7.1f}  "
-                  f"best shape {best[1]:7.1f} {best[0]}")
-            del layer, x, y, inter, factors
-            torch.cuda.empty_cache()
-    return rows
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
@@ -549,8 +486,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time alternative kernel shapes")
     parser.add_argument("--decode-grid", action="store_true",
                         help="only the decode pair at T = 32/128/256 and 8/64/256 adapters (and what follows)")
+    parser.add_argument("--grid-variants", action="store_true", help="--decode-grid: also 32-token expand tiles")
     parser.add_argument("--prefill", action="store_true", help="the prefill shrink and expand at T = 8192")
-    parser.add_argument("--consumers", action="store_true", help="the ops that take LoRA factors, at T = 8192")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")
     parser.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a JSON result")
@@ -579,10 +516,9 @@ def main():
     data = dict(device=props.name, date=datetime.date.today().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, bandwidth=bw, matmul=rate,
                 max_loras=MAX_LORAS, dtype=str(DTYPE), cases=[], mixed=[], sweep=[])
-    if args.decode_grid or args.prefill or args.consumers:
-        data["decode_grid"] = decode_grid(bw, args.reps) if args.decode_grid else []
+    if args.decode_grid or args.prefill:
+        data["decode_grid"] = decode_grid(bw, args.reps, args.grid_variants) if args.decode_grid else []
         data["prefill"] = prefill_kernels(bw, args.reps) if args.prefill else []
-        data["consumers"] = consumers(bw, args.reps) if args.consumers else []
         with open(os.path.join(args.out, "lora_kernels_grid.json"), "w") as f:
             json.dump(data, f, indent=1)
         return

@@ -6,12 +6,7 @@
 
 Each takes an optional ``delta`` of its input (float32 or the model dtype; the
 LoRA delta of the projection before it: models.linear.LinearOutput), added
-first: the input becomes ``round(input + delta)`` in the model dtype. In
-prefill-sized steps the delta may instead be the projection's LoRA factors
-(kernels/lora_expand.LoRAFactors): each op then expands the product itself, tile
-by tile of one adapter's tokens (the step's tile map), as it reads its input, so
-the product never makes a round trip through memory; rows without a product get
-the plain kernel's bits.
+first: the input becomes ``round(input + delta)`` in the model dtype.
 
 Semantics match ``fused_reference`` (see each function for the rounding).
 Inputs may be strided views whose last dim is contiguous; outputs are new
@@ -44,23 +39,11 @@ def _rms_norm_kernel(
     dim, inv_dim, eps,
     HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
-    """One program per row (_rms_norm_row)."""
+    """One program per row: x (+ delta, rounded), s = x (+ residual, rounded),
+    out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
     if PDL:  # launched early: wait for the kernel before it (it wrote x) before anything else
         tl.extra.cuda.gdc_wait()
-    _rms_norm_row(tl.program_id(0).to(tl.int64), x_ptr, delta_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                  stride_x, stride_delta, stride_res, stride_out, stride_res_out, dim, inv_dim, eps,
-                  HAS_DELTA, HAS_RESIDUAL, BLOCK_D)
-
-
-@triton.jit
-def _rms_norm_row(
-    row, x_ptr, delta_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    stride_x, stride_delta, stride_res, stride_out, stride_res_out,
-    dim, inv_dim, eps,
-    HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    """Row `row`: x (+ delta, rounded), s = x (+ residual, rounded),
-    out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)."""
+    row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_D]
@@ -83,148 +66,14 @@ def _rms_norm_row(
 _rms_norm_launch = CachedLauncher(_rms_norm_kernel)
 
 
-def _rms_norm_warps(block_d: int) -> int:
-    """Warps of an rms_norm launch over rows of BLOCK_D columns (the LoRA factors' launch takes the same, so
-    that its rows without a product are normalized by the same reduction, bit for bit)."""
-    return 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
-
-
-@triton.jit
-def _lora_product(acc, z_rows, b_ptr, page_row, tok_ok, cols, col_ok, rank, stride_fr, stride_bp, stride_br,
-                  stride_bn, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr):
-    """acc: [BLOCK_M, BLOCK_N] += z . B^T over the adapter's first `rank` ranks, for columns `cols` of B;
-    z_rows: [BLOCK_M] pointers to the tokens' intermediate rows (this slice's first rank), B's rank row r in
-    row r % PAGE of page page_row[r // PAGE]."""
-    for r0 in range(0, rank, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
-        b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
-        b = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-        z = tl.load(z_rows[:, None] + offs_r[None, :] * stride_fr, mask=tok_ok[:, None] & r_ok[None, :], other=0.0)
-        acc += tl.dot(z, b.to(tl.float32), input_precision=PRECISION)  # [BLOCK_M, BLOCK_R] x [BLOCK_R, BLOCK_N]
-    return acc
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _rms_norm_lora_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out, stride_res_out,
-    num_tokens, dim, inv_dim, eps,
-    f_ptr, stride_ft, stride_fr, b_ptr, stride_bp, stride_br, stride_bn,
-    rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, stride_pa, num_tiles,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program p of the token-tile axis takes tiles p, p + G, ... of the step's tile map (one adapter's tokens,
-    base tokens included). A tile whose adapter has a product here: a first pass over the columns adds it to x
-    (expanded from the factors, rounded), stores s = x + residual (rounded) as the new residual and sums its
-    squares; a second pass reads s back and writes out = w * (s * rstd) as _rms_norm_row does. A tile without
-    one: each row by _rms_norm_row itself (the plain kernel's bits)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    tile = tl.program_id(0)
-    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
-    while slot >= 0:
-        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(0), map_ptr, num_tiles)
-        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
-        if rank == 0:
-            for i in range(tl.minimum(BLOCK_M, count - m_tile * BLOCK_M)):
-                row = tl.load(sorted_ptr + start + m_tile * BLOCK_M + i).to(tl.int64)
-                _rms_norm_row(row, x_ptr, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_x,
-                              stride_res, stride_out, stride_res_out, dim, inv_dim, eps, False, True, BLOCK_D)
-        else:
-            offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-            tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-            tok = tok.to(tl.int64)
-            page_row = page_ptr + adapter.to(tl.int64) * stride_pa
-            z_rows = f_ptr + tok * stride_ft
-            squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for c0 in range(0, dim, BLOCK_N):
-                cols = c0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
-                col_ok = cols < dim
-                mask = tok_ok[:, None] & col_ok[None, :]
-                x = tl.load(x_ptr + tok[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)  # [BM, BN]
-                r = tl.load(res_ptr + tok[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
-                dtype = x.dtype
-                product = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                product = _lora_product(product, z_rows, b_ptr, page_row, tok_ok, cols, col_ok, rank, stride_fr,
-                                        stride_bp, stride_br, stride_bn, BLOCK_R, PRECISION, PAGE)
-                xf = (x.to(tl.float32) + product.to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-                s = (xf + r.to(tl.float32)).to(dtype)
-                tl.store(res_out_ptr + tok[:, None] * stride_res_out + cols[None, :], s, mask=mask)
-                sf = s.to(tl.float32)
-                squares += tl.sum(sf * sf, axis=1)
-            rstd = tl.math.rsqrt(squares * inv_dim + eps)  # [BLOCK_M]
-            tl.debug_barrier()  # the tile's s, stored by every thread, is read back below
-            for c0 in range(0, dim, BLOCK_N):
-                cols = c0 + tl.arange(0, BLOCK_N)
-                col_ok = cols < dim
-                mask = tok_ok[:, None] & col_ok[None, :]
-                s = tl.load(res_out_ptr + tok[:, None] * stride_res_out + cols[None, :], mask=mask, other=0.0)
-                w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-                out = w[None, :] * (s.to(tl.float32) * rstd[:, None]).to(s.dtype).to(tl.float32)
-                tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], out.to(out_ptr.dtype.element_ty),
-                         mask=mask)
-        tile += tl.num_programs(0)
-        slot, m_tile = next_slot, next_m_tile
-
-
-_rms_norm_lora_launch = CachedLauncher(_rms_norm_lora_kernel)
-
-
-@dataclass(frozen=True)
-class RMSNormLoRAConfig:
-    """The shape of rms_norm with LoRA factors (its warps are the plain rms_norm's: _rms_norm_warps)."""
-
-    block_m: int = 16  # tokens per tile (one of lora_meta.TILE_BLOCKS)
-    block_n: int = 256  # columns per step of each pass
-    num_stages: int = 2
-
-
-def _rms_norm_factors(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor,
-                      factors: LoRAFactors, config: RMSNormLoRAConfig | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rms_norm(x, weight, eps, residual) with x's LoRA product expanded from its factors in the same launch.
-
-    Same rounding as rms_norm with the product's dense delta; rstd sums the squares in another order
-    (in column steps), which moves it by at most its last bits."""
-    num_tokens, dim = x.shape
-    f, cfg = factors, config or RMSNormLoRAConfig()
-    if tuple(f.slice_offsets) != (0, dim) or f.inter.shape[0] != num_tokens:
-        raise ValueError(f"LoRA factors of slices {tuple(f.slice_offsets)} and {f.inter.shape[0]} tokens do not "
-                         f"match an input of {num_tokens} x {dim}")
-    assert residual.shape == x.shape and residual.stride(-1) == 1
-    out = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-    res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
-    if num_tokens == 0:
-        return out, res_out
-    meta = f.meta
-    tile_map = meta.tile_map(cfg.block_m)
-    block_d = next_power_of_2(dim)
-    grid = (token_programs(num_tokens, cfg.block_m, meta.num_loras) + 1,)
-    _rms_norm_lora_launch(grid,
-        x, residual, weight, out, res_out, x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0),
-        num_tokens, dim, 1.0 / dim, eps,
-        f.inter, f.inter.stride(0), f.inter.stride(1), f.lora_b, f.lora_b.stride(0), f.lora_b.stride(1),
-        f.lora_b.stride(2), f.lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter,
-        tile_map, meta.page_table, meta.page_table.stride(0), tile_map.shape[0],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, BLOCK_R=16, PRECISION=dot_precision(f.lora_b.dtype),
-        PAGE=PAGE_RANK, num_warps=_rms_norm_warps(block_d), num_stages=cfg.num_stages, enable_fp_fusion=False,
-        **pdl_launch(x))
-    return out, res_out
-
-
 def rms_norm(
     x: torch.Tensor,  # [T, D]
     weight: torch.Tensor,  # [D]
     eps: float,
     residual: torch.Tensor | None = None,  # [T, D]
-    x_delta: torch.Tensor | LoRAFactors | None = None,  # [T, D] float32 or x's dtype, or LoRA factors
+    x_delta: torch.Tensor | None = None,  # [T, D] float32 or x's dtype
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``. LoRA factors of x are
-    expanded in the same launch when there is a residual (_rms_norm_factors), rounded to x's dtype before they
-    are added (what their dense delta gives).
+    """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
 
     With a residual, ``s = x + residual`` is computed in fp32, rounded to
     ``x.dtype`` and returned as the new residual; the norm is taken of ``s``.
@@ -236,11 +85,6 @@ def rms_norm(
     """
     num_tokens, dim = x.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape == (dim,)
-    if isinstance(x_delta, LoRAFactors):
-        if residual is None:  # no fused path: the product as a dense delta
-            x_delta = x_delta.dense(x.dtype)
-        else:
-            return _rms_norm_factors(x, weight, eps, residual, x_delta)
     out = torch.empty((num_tokens, dim), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     res_out = None
     if x_delta is not None:
@@ -251,7 +95,7 @@ def rms_norm(
     if num_tokens == 0:
         return out, res_out
     block_d = next_power_of_2(dim)
-    num_warps = _rms_norm_warps(block_d)
+    num_warps = 4 if block_d <= 1024 else (8 if block_d <= 4096 else 16)
     res_in = x if residual is None else residual
     res_dst = out if res_out is None else res_out
     delta = x if x_delta is None else x_delta
@@ -514,12 +358,9 @@ def rotary_and_cache(
     k_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     v_cache: torch.Tensor,  # [NB, BS, KVH, hd]
     slot_mapping: torch.Tensor,  # [T] int64, every entry a valid slot
-    # shaped as q, k, v (float32 or q's dtype), or the LoRA factors of the packed q/k/v output
-    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | LoRAFactors | None = None,
+    qkv_delta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # shaped as q, k, v; float32 or q's dtype
 ) -> torch.Tensor:  # [T, H, hd] rotated q (new contiguous tensor, dtype of q)
     """Rotary on q and k, rotated k and plain v written to the caches, in one launch; see ``rotary_and_cache_ref``.
-    LoRA factors are expanded in the same launch (_rotary_and_cache_factors), rounded to q's dtype before they
-    are added (what their dense deltas give).
 
     Rounding matches torch bit for bit in bf16/fp16: cos/sin are rounded to
     the model dtype, each product ``x*cos``, ``x*sin`` is computed in fp32
@@ -535,8 +376,6 @@ def rotary_and_cache(
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and v_cache.shape == k_cache.shape
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and cos_sin.stride(-1) == 1
     assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and cos_sin.dtype == torch.float32
-    if isinstance(qkv_delta, LoRAFactors):
-        return _rotary_and_cache_factors(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qkv_delta)
     dq, dk, dv = (q, k, v) if qkv_delta is None else qkv_delta
     if qkv_delta is not None:
         assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
@@ -560,166 +399,4 @@ def rotary_and_cache(
         HAS_DELTA=qkv_delta is not None, HB=hb, BLOCK_HALF=block_half, num_warps=4, enable_fp_fusion=False,
         **pdl_launch(q),
     )
-    return q_out
-
-
-@triton.jit
-def _add_rotate_store(x1, x2, p1, p2, cos, sin, dst, half, mask, HAS_PRODUCT):
-    """Store the rotation of [x1, x2] (their LoRA products p1, p2 added first, rounded, where HAS_PRODUCT) at
-    dst, dst + half; x1, x2: [BLOCK_M, BLOCK_HALF] in the model dtype, the rest fp32: as _rotate_heads rounds."""
-    dtype = x1.dtype
-    if HAS_PRODUCT:
-        x1 = (x1.to(tl.float32) + p1.to(dtype).to(tl.float32)).to(dtype)
-        x2 = (x2.to(tl.float32) + p2.to(dtype).to(tl.float32)).to(dtype)
-    c = cos.to(dtype).to(tl.float32)
-    s = sin.to(dtype).to(tl.float32)
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    o1 = (x1 * c).to(dtype).to(tl.float32) - (x2 * s).to(dtype).to(tl.float32)
-    o2 = (x2 * c).to(dtype).to(tl.float32) + (x1 * s).to(dtype).to(tl.float32)
-    out_ty = dst.dtype.element_ty
-    tl.store(dst, o1.to(dtype).to(out_ty), mask=mask)
-    tl.store(dst + half, o2.to(dtype).to(out_ty), mask=mask)
-
-
-@triton.jit(do_not_specialize=["num_tokens"])
-def _rotary_and_cache_lora_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, q_out_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch, stride_qot, stride_qoh,
-    num_tokens, num_heads, num_kv_heads, block_size, half,
-    f_ptr, stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
-    rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, stride_pa, num_tiles,
-    HB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_R: tl.constexpr,
-    PRECISION: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Program (head group, token-tile programs): as _rotary_and_cache_kernel on tiles of one adapter's tokens
-    (the step's tile map, as lora_expand walks it, base tokens included): groups < cdiv(H, HB) rotate HB q
-    heads, the others rotate HB k heads into the cache and copy their v heads; q, k and v first get their
-    LoRA products (slices 0, 1, 2 of the packed q/k/v output), expanded here from the factors and rounded."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    group = tl.program_id(0)
-    num_q_groups = tl.cdiv(num_heads, HB)
-    head_dim = 2 * half
-    d = tl.arange(0, BLOCK_HALF)  # d: [BLOCK_HALF]
-    d_ok = d < half
-    tile = tl.program_id(1)
-    slot, m_tile = slot_of_tile(tile, map_ptr, num_tiles)
-    while slot >= 0:
-        next_slot, next_m_tile = slot_of_tile(tile + tl.num_programs(1), map_ptr, num_tiles)
-        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
-        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-        tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-        tok = tok.to(tl.int64)
-        page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
-        z_rows = f_ptr + tok * stride_ft  # slice s's intermediate: z_rows + s * rank_width * stride_fr
-        mask = tok_ok[:, None] & d_ok[None, :]
-        pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0).to(tl.int64)
-        cos = tl.load(cos_sin_ptr + pos[:, None] * stride_cs + d[None, :], mask=mask, other=0.0)  # [BM, BH]
-        sin = tl.load(cos_sin_ptr + pos[:, None] * stride_cs + half + d[None, :], mask=mask, other=0.0)
-        p1 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
-        p2 = tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32)
-        if group < num_q_groups:
-            for i in tl.static_range(HB):
-                h = group * HB + i
-                if h < num_heads:
-                    src = q_ptr + tok[:, None] * stride_qt + h * stride_qh + d[None, :]
-                    x1 = tl.load(src, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_HALF]
-                    x2 = tl.load(src + half, mask=mask, other=0.0)
-                    col = h * head_dim + d  # q's columns of the packed output
-                    if rank > 0:
-                        p1 = _lora_product(tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32), z_rows, b_ptr,
-                                           page_row, tok_ok, col, d_ok, rank, stride_fr, stride_bp, stride_br,
-                                           stride_bn, BLOCK_R, PRECISION, PAGE)
-                        p2 = _lora_product(tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32), z_rows, b_ptr,
-                                           page_row, tok_ok, col + half, d_ok, rank, stride_fr, stride_bp,
-                                           stride_br, stride_bn, BLOCK_R, PRECISION, PAGE)
-                    dst = q_out_ptr + tok[:, None] * stride_qot + h * stride_qoh + d[None, :]
-                    _add_rotate_store(x1, x2, p1, p2, cos, sin, dst, half, mask, rank > 0)
-        else:
-            slot_kv = tl.load(slot_ptr + tok, mask=tok_ok, other=0).to(tl.int64)  # [BLOCK_M]
-            cache_row = (slot_kv // block_size)[:, None]
-            cache_off = (slot_kv % block_size)[:, None]
-            k_col0 = num_heads * head_dim
-            v_col0 = k_col0 + num_kv_heads * head_dim
-            c = tl.arange(0, 2 * BLOCK_HALF)  # v's columns: [2 * BLOCK_HALF]
-            c_ok = c < head_dim
-            v_mask = tok_ok[:, None] & c_ok[None, :]
-            for i in tl.static_range(HB):
-                j = (group - num_q_groups) * HB + i
-                if j < num_kv_heads:
-                    src = k_ptr + tok[:, None] * stride_kt + j * stride_kh + d[None, :]
-                    x1 = tl.load(src, mask=mask, other=0.0)
-                    x2 = tl.load(src + half, mask=mask, other=0.0)
-                    col = k_col0 + j * head_dim + d
-                    v = tl.load(v_ptr + tok[:, None] * stride_vt + j * stride_vh + c[None, :], mask=v_mask,
-                                other=0.0)  # [BLOCK_M, 2 * BLOCK_HALF]
-                    if rank > 0:
-                        k_rows = z_rows + rank_width * stride_fr
-                        p1 = _lora_product(tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32), k_rows, b_ptr,
-                                           page_row, tok_ok, col, d_ok, rank, stride_fr, stride_bp, stride_br,
-                                           stride_bn, BLOCK_R, PRECISION, PAGE)
-                        p2 = _lora_product(tl.zeros((BLOCK_M, BLOCK_HALF), dtype=tl.float32), k_rows, b_ptr,
-                                           page_row, tok_ok, col + half, d_ok, rank, stride_fr, stride_bp,
-                                           stride_br, stride_bn, BLOCK_R, PRECISION, PAGE)
-                        pv = _lora_product(tl.zeros((BLOCK_M, 2 * BLOCK_HALF), dtype=tl.float32),
-                                           z_rows + 2 * rank_width * stride_fr, b_ptr, page_row, tok_ok,
-                                           v_col0 + j * head_dim + c, c_ok, rank, stride_fr, stride_bp, stride_br,
-                                           stride_bn, BLOCK_R, PRECISION, PAGE)
-                        v = (v.to(tl.float32) + pv.to(v.dtype).to(tl.float32)).to(v.dtype)
-                    dst = k_cache_ptr + cache_row * stride_kcb + cache_off * stride_kcs + j * stride_kch + d[None, :]
-                    _add_rotate_store(x1, x2, p1, p2, cos, sin, dst, half, mask, rank > 0)
-                    tl.store(v_cache_ptr + cache_row * stride_vcb + cache_off * stride_vcs + j * stride_vch
-                             + c[None, :], v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
-        tile += tl.num_programs(1)
-        slot, m_tile = next_slot, next_m_tile
-
-
-_rotary_and_cache_lora_launch = CachedLauncher(_rotary_and_cache_lora_kernel)
-
-
-@dataclass(frozen=True)
-class RotaryLoRAConfig:
-    """The shape of rotary_and_cache with LoRA factors."""
-
-    block_m: int = 32  # tokens per tile (one of lora_meta.TILE_BLOCKS)
-    heads: int = 2  # heads per program
-    num_warps: int = 4
-    num_stages: int = 1
-
-
-def _rotary_and_cache_factors(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, factors: LoRAFactors,
-                              config: RotaryLoRAConfig | None = None) -> torch.Tensor:
-    """rotary_and_cache with the LoRA product of the packed q/k/v output expanded from its factors in the same
-    launch; q, k, v: [T, H|KVH, hd] views of that output."""
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    f, cfg = factors, config or RotaryLoRAConfig()
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    if tuple(f.slice_offsets) != (0, q_size, q_size + kv_size, q_size + 2 * kv_size) or f.inter.shape[0] != num_tokens:
-        raise ValueError(f"LoRA factors of slices {tuple(f.slice_offsets)} and {f.inter.shape[0]} tokens do not "
-                         f"match q/k/v of {num_tokens} tokens, {num_heads}/{num_kv_heads} heads of {head_dim}")
-    q_out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    if num_tokens == 0:
-        return q_out
-    half = head_dim // 2
-    meta = f.meta
-    tile_map = meta.tile_map(cfg.block_m)
-    grid = (cdiv(num_heads, cfg.heads) + cdiv(num_kv_heads, cfg.heads),
-            token_programs(num_tokens, cfg.block_m, meta.num_loras) + 1)
-    _rotary_and_cache_lora_launch(grid,
-        q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, q_out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), q_out.stride(0), q_out.stride(1),
-        num_tokens, num_heads, num_kv_heads, k_cache.shape[1], half,
-        f.inter, f.inter.stride(0), f.inter.stride(1), f.rank_width,
-        f.lora_b, f.lora_b.stride(0), f.lora_b.stride(1), f.lora_b.stride(2),
-        f.lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter, tile_map,
-        meta.page_table, meta.page_table.stride(0), tile_map.shape[0],
-        HB=cfg.heads, BLOCK_M=cfg.block_m, BLOCK_HALF=max(16, next_power_of_2(half)), BLOCK_R=16,  # dots need >= 16
-        PRECISION=dot_precision(f.lora_b.dtype), PAGE=PAGE_RANK, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, enable_fp_fusion=False, **pdl_launch(q))
     return q_out

@@ -98,15 +98,75 @@ def slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr):
 
 
 @triton.jit
-def shrink_split(programs, lora_tiles, row_tiles, hidden, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    """(split-K factor, hidden features per split) of a shrink launch of `programs` programs over lora_tiles
-    token tiles x row_tiles row tiles: the most splits (at most SPLIT_K) for which every (tile, row tile,
-    split) gets a program of its own, at least 1; every split non-empty. Mirrored on the host by
-    lora_shrink.effective_split."""
-    split = tl.minimum(tl.maximum(programs // tl.maximum(lora_tiles * row_tiles, 1), 1),
-                       tl.minimum(SPLIT_K, tl.cdiv(hidden, BLOCK_K)))
+def shrink_split(programs, lora_tiles, token_programs, row_tiles, hidden, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """(split-K factor, hidden features per split) of a shrink launch of `programs` programs, token_programs
+    of them on the token axis, for a step of lora_tiles adapter token tiles: SPLIT_K (the grid's) while the
+    tiles fit the token axis, else the most splits for which every (tile, row tile, split) still gets a
+    program of its own, at least 1; every split non-empty. Mirrored on the host by effective_split."""
+    split = tl.minimum(SPLIT_K, tl.cdiv(hidden, BLOCK_K))
+    if lora_tiles > token_programs:
+        split = tl.minimum(tl.maximum(programs // (lora_tiles * row_tiles), 1), split)
     k_per_split = tl.cdiv(tl.cdiv(hidden, split), BLOCK_K) * BLOCK_K
     return tl.cdiv(hidden, k_per_split), k_per_split
+
+
+@triton.jit
+def _shrink_item(
+    code, tile, n_tile, split, split_k, k_per_split,
+    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, part_ptr, out_ptr, counter_ptr,
+    num_tokens, hidden, num_slices, rank_max,
+    stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
+    stride_ot, stride_on, stride_ct,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr, PAGE: tl.constexpr,
+):
+    """One work item: row tile n_tile of token tile `tile` (map entry `code`) over split `split` of K."""
+    slot, m_tile = code >> 16, code & 0xFFFF
+    rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
+    if n_tile * BLOCK_N < num_slices * rank:  # else: every row lies beyond the adapter's rank
+        # rows j of the adapter's own S*rank rows: slice j // rank, rank row j % rank
+        rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows: [BLOCK_N]
+        row_ok = rows < num_slices * rank
+        s = rows // tl.maximum(rank, 1)
+        r = rows % tl.maximum(rank, 1)
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+        tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+
+        # each row of A from its page: [BLOCK_N] pages, rows s*PAGE + r % PAGE within the page
+        page = tl.load(page_ptr + adapter.to(tl.int64) * stride_pa + r // PAGE, mask=row_ok, other=0)
+        x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+        a_rows = a_ptr + page.to(tl.int64)[None, :] * stride_ap + (s * PAGE + r % PAGE)[None, :] * stride_an
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kk in range(0, k_per_split, BLOCK_K):
+            offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < hidden
+            a = tl.load(a_rows + offs_k[:, None] * stride_ak,
+                        mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
+            x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                        mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
+            acc += tl.dot(x, a, input_precision=PRECISION)
+
+        mask = tok_ok[:, None] & row_ok[None, :]
+        cols = s * rank_max + r  # the intermediate's columns s*R + r: [BLOCK_N]
+        dst = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+        if split_k == 1:
+            tl.store(dst, acc, mask=mask)
+        else:
+            # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
+            part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + cols[None, :] * stride_pn
+            tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            counter = counter_ptr + tile * stride_ct + n_tile
+            if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:  # the last of the split_k
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for p in tl.static_range(SPLIT_K):  # in split order, whichever program is last; all loads at once
+                    # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
+                    in_split = tl.full((BLOCK_M, BLOCK_N), p, tl.int32) < split_k
+                    total += tl.load(part + p * stride_ps, mask=mask & in_split, other=0.0, cache_modifier=".cg")
+                tl.store(dst, total, mask=mask)
+                tl.store(counter, 0)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
@@ -121,64 +181,32 @@ def _shrink_kernel(
 ):
     if PDL:  # the expand launched after this may start its prologue now (it waits before reading out)
         tl.extra.cuda.gdc_launch_dependents()
-    programs = tl.num_programs(0) * tl.num_programs(1)
-    pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
     lora_tiles = tl.minimum(tl.load(tiles_ptr), num_tiles)  # the map's first lora_tiles entries: adapters' tokens
+    first = tl.load(map_ptr + tl.program_id(1))  # this program's tile while the tiles fit the token axis
     row_tiles = tl.cdiv(num_slices * rank_max, BLOCK_N)
-    split_k, k_per_split = shrink_split(programs, lora_tiles, row_tiles, hidden, BLOCK_K, SPLIT_K)
-    per_tile = row_tiles * split_k
-    # work item u = (token tile, row tile, split); program pid takes u = pid, pid + programs, ...
-    u = pid
-    while u < lora_tiles * per_tile:
-        tile = u // per_tile
-        n_tile = (u % per_tile) // split_k
-        split = u % split_k
-        code = tl.load(map_ptr + tile)
-        slot, m_tile = code >> 16, code & 0xFFFF
-        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
-        if n_tile * BLOCK_N < num_slices * rank:  # else: every row lies beyond the adapter's rank
-            # rows j of the adapter's own S*rank rows: slice j // rank, rank row j % rank
-            rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows: [BLOCK_N]
-            row_ok = rows < num_slices * rank
-            s = rows // tl.maximum(rank, 1)
-            r = rows % tl.maximum(rank, 1)
-            offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-            tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-
-            # each row of A from its page: [BLOCK_N] pages, rows s*PAGE + r % PAGE within the page
-            page = tl.load(page_ptr + adapter.to(tl.int64) * stride_pa + r // PAGE, mask=row_ok, other=0)
-            x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
-            a_rows = a_ptr + page.to(tl.int64)[None, :] * stride_ap + (s * PAGE + r % PAGE)[None, :] * stride_an
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kk in range(0, k_per_split, BLOCK_K):
-                offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
-                k_ok = offs_k < hidden
-                a = tl.load(a_rows + offs_k[:, None] * stride_ak,
-                            mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
-                x = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                            mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
-                acc += tl.dot(x, a, input_precision=PRECISION)
-
-            mask = tok_ok[:, None] & row_ok[None, :]
-            cols = s * rank_max + r  # the intermediate's columns s*R + r: [BLOCK_N]
-            dst = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-            if split_k == 1:
-                tl.store(dst, acc, mask=mask)
-            else:
-                # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
-                part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + cols[None, :] * stride_pn
-                tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
-                tl.debug_barrier()  # every thread's partial is stored before the release below
-                counter = counter_ptr + tile * stride_ct + n_tile
-                if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:  # the last of the split_k
-                    total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                    for p in range(split_k):  # in split order, whichever program is last
-                        # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
-                        total += tl.load(part + p * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-                    tl.store(dst, total, mask=mask)
-                    tl.store(counter, 0)
-        u += programs
+    programs = tl.num_programs(0) * tl.num_programs(1)
+    split_k, k_per_split = shrink_split(programs, lora_tiles, tl.num_programs(1), row_tiles, hidden, BLOCK_K,
+                                        SPLIT_K)
+    if lora_tiles <= tl.num_programs(1):  # the grid's own items: (row tile x split, token tile)
+        if (tl.program_id(1) < lora_tiles) & (tl.program_id(0) % SPLIT_K < split_k):
+            _shrink_item(first, tl.program_id(1), tl.program_id(0) // SPLIT_K, tl.program_id(0) % SPLIT_K, split_k,
+                         k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
+                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
+                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                         PAGE)
+    else:  # more tiles than token programs: items (tile, row tile, split) u = pid, pid + programs, ...
+        per_tile = row_tiles * split_k
+        u = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        while u < lora_tiles * per_tile:
+            tile = u // per_tile
+            _shrink_item(tl.load(map_ptr + tile), tile, (u % per_tile) // split_k, u % split_k, split_k,
+                         k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
+                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
+                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                         PAGE)
+            u += programs
 
 
 _shrink_launch = CachedLauncher(_shrink_kernel)
@@ -271,9 +299,9 @@ def effective_split(cfg: ShrinkConfig, grid: tuple[int, int], lora_tiles: int, h
                     ) -> tuple[int, int]:
     """(split-K factor, hidden features per split) that a shrink launch of this shape and grid takes when the
     step has lora_tiles token tiles of adapters: the kernel's shrink_split on the host (tests, tuning)."""
-    programs = grid[0] * grid[1]
-    split = min(max(programs // max(lora_tiles * cdiv(sr, cfg.block_n), 1), 1), cfg.split_k,
-                cdiv(hidden, cfg.block_k))
+    split = min(cfg.split_k, cdiv(hidden, cfg.block_k))
+    if lora_tiles > grid[1]:
+        split = min(max(grid[0] * grid[1] // (lora_tiles * cdiv(sr, cfg.block_n)), 1), split)
     k_per_split = cdiv(cdiv(hidden, split), cfg.block_k) * cfg.block_k
     return cdiv(hidden, k_per_split), k_per_split
 

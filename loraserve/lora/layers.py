@@ -39,9 +39,8 @@ from loraserve.models.linear import LinearBase, LinearOutput
 GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
 # Packed layers whose output's consumer expands LoRA factors (models.linear.LinearOutput): in steps larger than
 # the side stream takes, they run the shrink only and pass its output on; the expand happens as the consumer
-# reads the base output (q/k/v: rotary_and_cache; o and down: rms_norm with its residual add; gate/up:
-# silu_and_mul), instead of a read-modify-write of the whole output.
-FACTORED_LAYERS = frozenset({"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+# reads the base output (gate/up: silu_and_mul), instead of a read-modify-write of the whole output.
+FACTORED_LAYERS = frozenset({"gate_up_proj"})
 
 
 class LoRALinear(nn.Module):

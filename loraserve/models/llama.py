@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from loraserve.forward_context import ForwardContext
-from loraserve.kernels.lora_expand import LoRAFactors
 from loraserve.models.attention import PagedAttention
 from loraserve.models.layers import LMHead, RMSNorm, RotaryEmbedding, VocabEmbedding
 from loraserve.models.linear import LinearOutput, PackedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -37,8 +36,7 @@ class LlamaAttention(nn.Module):
         # x: [T, D] -> o_proj's output [T, D] (and its LoRA delta)
         qkv, qkv_delta = self.qkv_proj(x, ctx)  # [T, q + 2 kv] each
         q, k, v = self.split_heads(qkv)
-        # a dense delta is split as q/k/v are; LoRA factors go whole to the op that expands them (models/ops.py)
-        deltas = qkv_delta if qkv_delta is None or isinstance(qkv_delta, LoRAFactors) else self.split_heads(qkv_delta)
+        deltas = None if qkv_delta is None else self.split_heads(qkv_delta)
         out = self.attn(positions, q, k, v, ctx.attn, deltas)  # [T, H * hd]
         return self.o_proj(out, ctx)
 

@@ -9,11 +9,10 @@ from loraserve.kernels.lora_expand import LoRAFactors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
-             x_delta: torch.Tensor | LoRAFactors | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+             x_delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(RMSNorm(x + residual), x + residual) or (RMSNorm(x), None); x, residual: [T, D].
 
-    x_delta: [T, D] LoRA delta of x (float32 or x's dtype), or on CUDA its factors, added (rounded) before
-    anything else."""
+    x_delta: [T, D] LoRA delta of x (float32 or x's dtype), added (rounded) before anything else."""
     if x.is_cuda:
         return fused.rms_norm(x, weight, eps, residual, x_delta)
     return rms_norm_ref(x, weight, eps, residual, x_delta)
@@ -30,8 +29,7 @@ def rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping
                      qkv_delta=None) -> torch.Tensor:
     """Rotary on q and k; rotated k and v written to the KV cache at slot_mapping; returns rotated q.
 
-    qkv_delta: LoRA deltas (dq, dk, dv) shaped as q, k, v, or on CUDA the factors of the packed q/k/v
-    output's product, added (rounded) first; or None."""
+    qkv_delta: LoRA deltas (dq, dk, dv) shaped as q, k, v, added (rounded) first, or None."""
     if q.is_cuda:
         return fused.rotary_and_cache(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qkv_delta)
     return rotary_and_cache_ref(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping, qkv_delta)

@@ -21,9 +21,8 @@ import pytest
 import torch
 
 from loraserve.kernels.launch import cdiv
-from loraserve.kernels import fused
-from loraserve.kernels.fused import rms_norm, rotary_and_cache, silu_and_mul
-from loraserve.kernels.fused_reference import rms_norm_ref, rotary_and_cache_ref, silu_and_mul_ref
+from loraserve.kernels.fused import silu_and_mul
+from loraserve.kernels.fused_reference import silu_and_mul_ref
 from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, expand_config, lora_expand
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
@@ -243,126 +242,6 @@ def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens
 ])
 def test_silu_and_mul_expands_lora_factors(inter_size, rank_max, num_loras, num_tokens, kind, base):
     check_silu_and_mul_factors(11, inter_size, rank_max, num_loras, num_tokens, kind, base)
-
-
-def factors_case(seed, hidden_out, slice_sizes, rank_max, num_loras, num_tokens, kind, base, dtype, device):
-    """LoRA factors of a layer whose output has `slice_sizes` columns: a case (make_case) and its
-    poisoned intermediate (NaN wherever no kernel may read), as LoRAFactors."""
-    case = make_case(seed, 16, slice_sizes, rank_max, num_loras, num_tokens, kind, base, dtype=dtype, device=device)
-    inter = poisoned_inter(case, case["meta"].rank_width)
-    return case, LoRAFactors(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"])
-
-
-def plain_rows(case, device):
-    """[T] bool: the rows that get no product (no adapter, or an adapter of rank 0 in the layer)."""
-    return torch.tensor([s < 0 or case["ranks"][s] == 0 for s in case["slots"]], device=device)
-
-
-def check_rms_norm_factors(seed, dim, rank_max, num_loras, num_tokens, kind, base, dtype=torch.float32,
-                           device=DEVICE, rtol=1e-5, atol=1e-5, config=None):
-    """rms_norm with x's LoRA product as factors equals the product expanded into x (the reference expand,
-    rounded to x's dtype) followed by the reference rms_norm; rows without a product get the plain kernel's
-    bits, and the new residual of every row is x + product + residual rounded as the reference rounds it."""
-    case, factors = factors_case(seed, dim, (dim,), rank_max, num_loras, num_tokens, kind, base, dtype, device)
-    gen = case["gen"]
-    x = torch.randn(num_tokens, dim + 5, generator=gen).to(device, dtype)[:, 2:-3]  # strided rows
-    residual = torch.randn(num_tokens, dim, generator=gen).to(device, dtype)
-    weight = (1.0 + 0.1 * torch.randn(dim, generator=gen)).to(device, dtype)
-    merged = x.clone()
-    lora_expand_ref(factors.inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
-    want, want_res = rms_norm_ref(merged, weight, 1e-5, residual)
-    if config is None:
-        got, got_res = rms_norm(x, weight, 1e-5, residual, factors)
-    else:
-        got, got_res = fused._rms_norm_factors(x, weight, 1e-5, residual, factors, config)
-    # a product summed in another order may round to a neighbouring value of x's dtype
-    spread = (merged.float() - x.float()).abs()
-    bad = (got_res.float() - want_res.float()).abs() > atol + rtol * (want_res.float().abs() + spread)
-    assert not bad.any(), f"residual: {int(bad.sum())} of {bad.numel()} differ"
-    bad = (got.float() - want.float()).abs() > atol + rtol * (want.float().abs() + spread.amax(1, True))
-    assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} differ; worst {(got - want).abs().max().item():.3g}"
-    plain, plain_res = rms_norm(x, weight, 1e-5, residual)  # rows without a product: bit for bit the plain kernel
-    rows = plain_rows(case, device)
-    assert torch.equal(got[rows], plain[rows]) and torch.equal(got_res[rows], plain_res[rows])
-
-
-def check_rotary_factors(seed, num_heads, num_kv_heads, head_dim, rank_max, num_loras, num_tokens, kind, base,
-                         dtype=torch.float32, device=DEVICE, rtol=1e-5, atol=1e-5, config=None):
-    """rotary_and_cache with the packed q/k/v output's LoRA product as factors equals the product expanded
-    into q/k/v (reference expand, rounded) followed by the reference rotary and cache write; rows without a
-    product get the plain kernel's bits."""
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    case, factors = factors_case(seed, 0, (q_size, kv_size, kv_size), rank_max, num_loras, num_tokens, kind, base,
-                                 dtype, device)
-    gen = case["gen"]
-    qkv = 3 * torch.randn(num_tokens, q_size + 2 * kv_size + 4, generator=gen).to(device, dtype)[:, 4:]
-    merged = qkv.clone()
-    lora_expand_ref(factors.inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
-
-    def heads(t):
-        q, k, v = t.split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim),
-                v.view(-1, num_kv_heads, head_dim))
-
-    max_pos, block_size = 100, 4
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-    freqs = torch.outer(torch.arange(max_pos).float(), inv)
-    cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(device)
-    positions = torch.randint(0, max_pos, (num_tokens,), generator=gen).to(device)
-    num_blocks = -(-num_tokens // block_size) + 2
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(device)
-    caches = [torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype, device=device)
-              for _ in range(6)]
-    want_q = rotary_and_cache_ref(*heads(merged), positions, cos_sin, caches[0], caches[1], slots)
-    if config is None:
-        got_q = rotary_and_cache(*heads(qkv), positions, cos_sin, caches[2], caches[3], slots, factors)
-    else:
-        got_q = fused._rotary_and_cache_factors(*heads(qkv), positions, cos_sin, caches[2], caches[3], slots,
-                                                factors, config)
-    plain_q = rotary_and_cache(*heads(qkv), positions, cos_sin, caches[4], caches[5], slots)
-    spread = (merged.float() - qkv.float()).abs().amax(1)  # [T]: the product's largest term per row
-    for got, want, spread_rows in ((got_q, want_q, spread), (caches[2], caches[0], None), (caches[3], caches[1], None)):
-        if spread_rows is None:  # the caches: per token at its slot
-            got, want = got.view(-1, num_kv_heads, head_dim)[slots], want.view(-1, num_kv_heads, head_dim)[slots]
-        got, want = got.float(), want.float()
-        tol = atol + rtol * (want.abs() + spread.view(-1, 1, 1))
-        bad = (got - want).abs() > tol
-        assert not bad.any(), f"{int(bad.sum())} of {bad.numel()} differ; worst {(got - want).abs().max().item():.3g}"
-    rows = plain_rows(case, device)
-    assert torch.equal(got_q[rows], plain_q[rows])
-    for got_c, plain_c in ((caches[2], caches[4]), (caches[3], caches[5])):
-        flat_got, flat_plain = (c.view(-1, num_kv_heads, head_dim)[slots[rows]] for c in (got_c, plain_c))
-        assert torch.equal(flat_got, flat_plain)
-
-
-@pytest.mark.parametrize("dim,rank_max,num_loras,num_tokens,kind,base", [
-    (40, 16, 3, 70, "skewed", 0.2),  # tiles of one adapter and tiles of several; dim under one column step
-    (300, 24, 4, 33, "distinct", 0.1),  # every row its own adapter; ranks past one BLOCK_R step; 2 column steps
-    (16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
-])
-def test_rms_norm_expands_lora_factors(dim, rank_max, num_loras, num_tokens, kind, base):
-    check_rms_norm_factors(12, dim, rank_max, num_loras, num_tokens, kind, base)
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,rank_max,num_loras,num_tokens,kind,base", [
-    (4, 2, 16, 16, 3, 40, "skewed", 0.2),
-    (3, 1, 40, 24, 4, 21, "distinct", 0.1),  # half not a power of two; 3 q heads in groups of 2
-    (2, 2, 16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
-])
-def test_rotary_and_cache_expands_lora_factors(num_heads, num_kv_heads, head_dim, rank_max, num_loras, num_tokens,
-                                               kind, base):
-    check_rotary_factors(13, num_heads, num_kv_heads, head_dim, rank_max, num_loras, num_tokens, kind, base)
-
-
-def test_rms_norm_without_residual_takes_factors_as_a_dense_delta():
-    case, factors = factors_case(14, 24, (24,), 8, 3, 20, "uniform", 0.2, torch.float32, DEVICE)
-    x = torch.randn(20, 24, generator=case["gen"]).to(DEVICE)
-    weight = torch.ones(24, device=DEVICE)
-    merged = x.clone()
-    lora_expand_ref(factors.inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
-    got, res = rms_norm(x, weight, 1e-5, None, factors)
-    assert res is None
-    torch.testing.assert_close(got, rms_norm_ref(merged, weight, 1e-5)[0], rtol=1e-5, atol=1e-5)
 
 
 def naive_lora(x, a, b, ranks, slots, offsets):

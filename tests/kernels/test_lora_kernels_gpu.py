@@ -19,9 +19,9 @@ from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
-from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_rms_norm_factors,
-                               check_rotary_factors, check_shrink_result, check_silu_and_mul_factors, defined_mask,
-                               make_case, make_weights, meta_of, offsets_of, poisoned_inter, shrink_partials)
+from test_lora_kernels import (POPULARITY, assign_slots, check_expand_result, check_shrink_result,
+                               check_silu_and_mul_factors, defined_mask, make_case, make_weights, meta_of, offsets_of,
+                               poisoned_inter, shrink_partials)
 
 pytestmark = pytest.mark.gpu
 
@@ -88,31 +88,6 @@ def test_silu_and_mul_expands_lora_factors_gpu(inter_size, rank_max, num_loras, 
     tol = TOL[dtype][1]
     check_silu_and_mul_factors(21, inter_size, rank_max, num_loras, num_tokens, kind, base, dtype=dtype,
                                device="cuda", rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("dim,rank_max,num_loras,num_tokens,kind,base", [
-    (4096, 16, 8, 8192, "skewed", 0.05),  # a Llama-3-8B prefill step (o and down feed the norm)
-    (5000, 64, 64, 700, "distinct", 0.1),  # 64 adapters, ranks up to 64, a dim off the column steps
-    (4096, 16, 4, 600, "uniform", 0.3),
-])
-def test_rms_norm_expands_lora_factors_gpu(dim, rank_max, num_loras, num_tokens, kind, base, dtype):
-    tol = TOL[dtype][1]
-    check_rms_norm_factors(22, dim, rank_max, num_loras, num_tokens, kind, base, dtype=dtype, device="cuda",
-                           rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("heads,kv_heads,head_dim,rank_max,num_loras,num_tokens,kind,base", [
-    (32, 8, 128, 16, 8, 8192, "skewed", 0.05),  # Llama-3-8B's q/k/v in a prefill step
-    (12, 4, 80, 64, 64, 700, "distinct", 0.1),  # 64 adapters, ranks up to 64, half a head off a power of two
-    (32, 8, 128, 16, 4, 600, "uniform", 0.3),
-])
-def test_rotary_and_cache_expands_lora_factors_gpu(heads, kv_heads, head_dim, rank_max, num_loras, num_tokens, kind,
-                                                   base, dtype):
-    tol = TOL[dtype][1]
-    check_rotary_factors(23, heads, kv_heads, head_dim, rank_max, num_loras, num_tokens, kind, base, dtype=dtype,
-                         device="cuda", rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("num_tokens", [8, 300])
