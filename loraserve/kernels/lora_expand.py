@@ -50,6 +50,9 @@ class ExpandConfig:
     num_warps: int = 4
     num_stages: int = 2
     col_tiles: int = 1  # column tiles each program handles in turn
+    # spread a step's work over the grid at run time (decode shapes); else the token programs take their tiles
+    # in turn (prefill shapes: few, large tiles)
+    dynamic: bool = False
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of an int, called for every launch
@@ -61,12 +64,12 @@ def expand_config(num_tokens: int) -> ExpandConfig:
     32-token tiles walking 4; each at 1.12-1.15x the byte floor of its read-modify-write).
     """
     if num_tokens <= EXPAND_DECODE_MAX_TOKENS:
-        return ExpandConfig(16, 128, 16, num_warps=2)
+        return ExpandConfig(16, 128, 16, num_warps=2, dynamic=True)
     if num_tokens <= EXPAND_SMALL_TILE_TOKENS:
         # decode steps of up to 256 rows: a step of many adapters has one or two rows per adapter, which 32-token
         # tiles leave mostly empty (measured on an H100, Llama-3-8B's layers at T = 128 / 256 with 64 or 128-256
         # distinct rank-16 adapters: 16-token tiles 1.3-2.4x faster; with 8 adapters -0.5 to +1.7 us a launch)
-        return ExpandConfig(16, 128, 16, num_warps=4)
+        return ExpandConfig(16, 128, 16, num_warps=4, dynamic=True)
     if num_tokens >= 1024:
         return ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, col_tiles=8)
     return ExpandConfig(32, 128, 16, num_warps=4)
@@ -121,6 +124,30 @@ def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, rank, ra
     tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
 
 
+@triton.jit
+def _expand_item(code, first_col_tile, num_col_tiles,
+                 inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
+                 num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn, stride_pa,
+                 stride_yt, stride_yn,
+                 SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
+                 PAGE: tl.constexpr, PDL: tl.constexpr):
+    """One work item: num_col_tiles column tiles from first_col_tile of the token tile of map entry `code`."""
+    slot, m_tile = code >> 16, code & 0xFFFF
+    rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
+    if OVERWRITE | (rank > 0):  # else an adapter that does not target this layer: rows left as they are
+        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+        tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+        inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
+        y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
+        page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
+        for j in range(num_col_tiles):
+            _expand_col_tile((first_col_tile + j) * BLOCK_N, inter_rows, y_rows, tok_ok, b_ptr, page_row,
+                             rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
+                             SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE, PDL)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, tiles_ptr, page_ptr, y_ptr,
@@ -129,7 +156,7 @@ def _expand_kernel(
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PAGE: tl.constexpr,
-    PDL: tl.constexpr,
+    DYNAMIC: tl.constexpr, PDL: tl.constexpr,
 ):
     # With PDL, programs without work end before gdc_wait. That is safe: a program with work waits for
     # the whole shrink grid, and the expand has work on every tile where the shrink has some (an
@@ -140,51 +167,35 @@ def _expand_kernel(
         tiles = tl.minimum(tl.load(tiles_ptr + 1), num_tiles)
     else:
         tiles = tl.minimum(tl.load(tiles_ptr), num_tiles)
-    first = tl.load(map_ptr + tl.program_id(1))  # this program's tile while the tiles fit the token axis
-    n_col_tiles = tl.cdiv(n_out, BLOCK_N)
-    if tiles <= tl.num_programs(1):  # the grid's own items: (group of COL_TILES column tiles, token tile)
-        run = COL_TILES
-        runs = tl.num_programs(0)
-        u = tl.program_id(1) * runs + tl.program_id(0)
-        items = tiles * runs
-    else:
+    code = tl.load(map_ptr + tl.program_id(1))  # the first tile of this token program (loaded beside the count)
+    if DYNAMIC and (tiles > tl.num_programs(1)):
         # more tiles than token programs: an item is a token tile and a run of column tiles, longer than
-        # COL_TILES where that keeps every item a program of its own (items u = pid, pid + programs, ...)
+        # COL_TILES where that keeps every item a program of its own; items u = pid, pid + programs, ...
+        n_col_tiles = tl.cdiv(n_out, BLOCK_N)
         programs = tl.num_programs(0) * tl.num_programs(1)
-        groups = tl.maximum(tl.minimum(tl.cdiv(n_col_tiles, COL_TILES), programs // tiles), 1)
-        run = tl.cdiv(n_col_tiles, groups)
+        run = tl.cdiv(n_col_tiles, tl.maximum(tl.minimum(tl.cdiv(n_col_tiles, COL_TILES), programs // tiles), 1))
         runs = tl.cdiv(n_col_tiles, run)
         u = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        items = tiles * runs
-    while u < items:
-        tile = u // runs
-        if tiles <= tl.num_programs(1):
-            code = first
-        else:
-            code = tl.load(map_ptr + tile)
-        slot, m_tile = code >> 16, code & 0xFFFF
-        rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
-        if OVERWRITE | (rank > 0):  # else an adapter that does not target this layer: rows left as they are
-            offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-            tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-            tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-            inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
-            y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
-            page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
+        while u < tiles * runs:
             first_col_tile = (u % runs) * run
-            if tiles <= tl.num_programs(1):
-                for j in range(COL_TILES):
-                    _expand_col_tile((first_col_tile + j) * BLOCK_N, inter_rows, y_rows, tok_ok, b_ptr, page_row,
-                                     rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
-                                     SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE,
-                                     PAGE, PDL)
-            else:
-                for j in range(tl.minimum(run, n_col_tiles - first_col_tile)):
-                    _expand_col_tile((first_col_tile + j) * BLOCK_N, inter_rows, y_rows, tok_ok, b_ptr, page_row,
-                                     rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
-                                     SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE,
-                                     PAGE, PDL)
-        u += tl.num_programs(0) * tl.num_programs(1)
+            _expand_item(tl.load(map_ptr + u // runs), first_col_tile, tl.minimum(run, n_col_tiles - first_col_tile),
+                         inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
+                         num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
+                         stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+                         PRECISION, OVERWRITE, PAGE, PDL)
+            u += programs
+    else:
+        # the grid's own items: program (column group, p) takes token tiles p, p + G, ... (G token programs)
+        tile = tl.program_id(1)
+        while tile < tiles:
+            next_code = tl.load(map_ptr + tl.minimum(tile + tl.num_programs(1), num_tiles - 1))  # its load overlaps
+            _expand_item(code, tl.program_id(0) * COL_TILES, COL_TILES,
+                         inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
+                         num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
+                         stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
+                         PRECISION, OVERWRITE, PAGE, PDL)
+            tile += tl.num_programs(1)
+            code = next_code
 
 
 _expand_launch = CachedLauncher(_expand_kernel)
@@ -257,7 +268,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), meta.page_table.stride(0), y.stride(0), y.stride(1),
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
-        PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK,
+        PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
 

@@ -60,6 +60,9 @@ class ShrinkConfig:
     split_k: int  # programs sharing one dot product's K range (partial sums when > 1)
     num_warps: int = 4
     num_stages: int = 3
+    # spread a step's work over the grid at run time (decode shapes); else the token programs take their tiles
+    # in turn (prefill shapes: few, large tiles)
+    dynamic: bool = False
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called for every launch
@@ -70,7 +73,7 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
     """
     min_block_n = max(16, next_power_of_2(cdiv(sr, COUNTER_ROW_TILES)))
     if num_tokens <= SHRINK_DECODE_MAX_TOKENS:
-        return ShrinkConfig(16, min_block_n, 128, max(1, min(16, cdiv(hidden, 256))))
+        return ShrinkConfig(16, min_block_n, 128, max(1, min(16, cdiv(hidden, 256))), dynamic=True)
     block_n = max(min_block_n, min(64, next_power_of_2(sr)))
     # Prefill: K in steps of 128; the split shrinks as the token tiles alone fill the GPU (measured on an H100,
     # Llama-3-8B's four LoRA layers at T = 8192: unsplit 10% faster than 4-way; the four together at 1.13x
@@ -99,14 +102,15 @@ def slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr):
 
 @triton.jit
 def shrink_split(programs, lora_tiles, token_programs, row_tiles, hidden, BLOCK_K: tl.constexpr,
-                 SPLIT_K: tl.constexpr):
+                 SPLIT_K: tl.constexpr, DYNAMIC: tl.constexpr):
     """(split-K factor, hidden features per split) of a shrink launch of `programs` programs, token_programs
-    of them on the token axis, for a step of lora_tiles adapter token tiles: SPLIT_K (the grid's) while the
-    tiles fit the token axis, else the most splits for which every (tile, row tile, split) still gets a
-    program of its own, at least 1; every split non-empty. Mirrored on the host by effective_split."""
+    of them on the token axis, for a step of lora_tiles adapter token tiles: SPLIT_K (the grid's), or with
+    DYNAMIC and more tiles than token programs, the most splits for which every (tile, row tile, split) still
+    gets a program of its own, at least 1; every split non-empty. Mirrored on the host by effective_split."""
     split = tl.minimum(SPLIT_K, tl.cdiv(hidden, BLOCK_K))
-    if lora_tiles > token_programs:
-        split = tl.minimum(tl.maximum(programs // (lora_tiles * row_tiles), 1), split)
+    if DYNAMIC:
+        if lora_tiles > token_programs:
+            split = tl.minimum(tl.maximum(programs // (lora_tiles * row_tiles), 1), split)
     k_per_split = tl.cdiv(tl.cdiv(hidden, split), BLOCK_K) * BLOCK_K
     return tl.cdiv(hidden, k_per_split), k_per_split
 
@@ -169,6 +173,33 @@ def _shrink_item(
                 tl.store(counter, 0)
 
 
+@triton.jit
+def _shrink_walk(
+    first, lora_tiles, map_ptr, num_tiles, split_k, k_per_split,
+    x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, part_ptr, out_ptr, counter_ptr,
+    num_tokens, hidden, num_slices, rank_max,
+    stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
+    stride_ot, stride_on, stride_ct,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr, PAGE: tl.constexpr,
+):
+    """The grid's own items: program (row tile x split, p) takes token tiles p, p + G, ... (G token programs;
+    `first`: the map entry of tile p)."""
+    n_tile = tl.program_id(0) // SPLIT_K
+    split = tl.program_id(0) % SPLIT_K
+    tile = tl.program_id(1)
+    code = first
+    while (tile < lora_tiles) & (split < split_k):
+        next_code = tl.load(map_ptr + tl.minimum(tile + tl.num_programs(1), num_tiles - 1))  # its load overlaps
+        _shrink_item(code, tile, n_tile, split, split_k, k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
+                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
+                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                         PAGE)
+        tile += tl.num_programs(1)
+        code = next_code
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _shrink_kernel(
     x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, tiles_ptr, page_ptr, part_ptr,
@@ -177,36 +208,41 @@ def _shrink_kernel(
     stride_ot, stride_on, stride_ct,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
-    PAGE: tl.constexpr, PDL: tl.constexpr,
+    PAGE: tl.constexpr, DYNAMIC: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # the expand launched after this may start its prologue now (it waits before reading out)
         tl.extra.cuda.gdc_launch_dependents()
     lora_tiles = tl.minimum(tl.load(tiles_ptr), num_tiles)  # the map's first lora_tiles entries: adapters' tokens
-    first = tl.load(map_ptr + tl.program_id(1))  # this program's tile while the tiles fit the token axis
+    first = tl.load(map_ptr + tl.program_id(1))  # the first tile of this token program (loaded beside the count)
     row_tiles = tl.cdiv(num_slices * rank_max, BLOCK_N)
     programs = tl.num_programs(0) * tl.num_programs(1)
     split_k, k_per_split = shrink_split(programs, lora_tiles, tl.num_programs(1), row_tiles, hidden, BLOCK_K,
-                                        SPLIT_K)
-    if lora_tiles <= tl.num_programs(1):  # the grid's own items: (row tile x split, token tile)
-        if (tl.program_id(1) < lora_tiles) & (tl.program_id(0) % SPLIT_K < split_k):
-            _shrink_item(first, tl.program_id(1), tl.program_id(0) // SPLIT_K, tl.program_id(0) % SPLIT_K, split_k,
-                         k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
+                                        SPLIT_K, DYNAMIC)
+    if DYNAMIC:
+        if lora_tiles <= tl.num_programs(1):  # every tile has a token program of its own: the grid's items
+            _shrink_walk(first, lora_tiles, map_ptr, num_tiles, split_k, k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
                          page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
                          stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
                          stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
                          PAGE)
-    else:  # more tiles than token programs: items (tile, row tile, split) u = pid, pid + programs, ...
-        per_tile = row_tiles * split_k
-        u = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        while u < lora_tiles * per_tile:
-            tile = u // per_tile
-            _shrink_item(tl.load(map_ptr + tile), tile, (u % per_tile) // split_k, u % split_k, split_k,
-                         k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
+        else:  # more tiles than token programs: items (tile, row tile, split) u = pid, pid + programs, ...
+            per_tile = row_tiles * split_k
+            u = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            while u < lora_tiles * per_tile:
+                tile = u // per_tile
+                _shrink_item(tl.load(map_ptr + tile), tile, (u % per_tile) // split_k, u % split_k, split_k,
+                             k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
                          page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
                          stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
                          stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
                          PAGE)
-            u += programs
+                u += programs
+    else:
+        _shrink_walk(first, lora_tiles, map_ptr, num_tiles, split_k, k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
+                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
+                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                         PAGE)
 
 
 _shrink_launch = CachedLauncher(_shrink_kernel)
@@ -290,7 +326,7 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor,
         partial.stride(0), partial.stride(1), partial.stride(2), out.stride(0), out.stride(1),
         meta.tile_counters.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        PRECISION=dot_precision(x.dtype), PAGE=PAGE_RANK, PDL=pdl_supported(x),
+        PRECISION=dot_precision(x.dtype), PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic, PDL=pdl_supported(x),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -300,7 +336,7 @@ def effective_split(cfg: ShrinkConfig, grid: tuple[int, int], lora_tiles: int, h
     """(split-K factor, hidden features per split) that a shrink launch of this shape and grid takes when the
     step has lora_tiles token tiles of adapters: the kernel's shrink_split on the host (tests, tuning)."""
     split = min(cfg.split_k, cdiv(hidden, cfg.block_k))
-    if lora_tiles > grid[1]:
+    if cfg.dynamic and lora_tiles > grid[1]:
         split = min(max(grid[0] * grid[1] // (lora_tiles * cdiv(sr, cfg.block_n)), 1), split)
     k_per_split = cdiv(cdiv(hidden, split), cfg.block_k) * cfg.block_k
     return cdiv(hidden, k_per_split), k_per_split

@@ -163,6 +163,9 @@ def check_expand_result(case, y_before, y_kernel, y_ref, rtol=1e-5, atol=1e-5):
 SPLIT_SHRINK = ShrinkConfig(16, 16, 32, 3)
 NARROW_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3)
 WIDE_DECODE_EXPAND = ExpandConfig(16, 128, 16, num_warps=4, col_tiles=4)  # several column tiles per program
+# the decode shapes spread a step's work at run time (dynamic): small versions of them
+DYNAMIC_SHRINK = ShrinkConfig(16, 16, 32, 3, dynamic=True)
+DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True)
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -182,8 +185,9 @@ CASES = [
     (72, (40,), 8, 20, 100, "uniform", 0.2, PREFILL, PREFILL),
     # a step of many adapters of a few tokens each: the expand gives each program a longer run of
     # column tiles (and past that, programs take several items in turn); the shrink splits K less
-    (64, (200,), 8, 30, 40, "distinct", 0.1, SPLIT_SHRINK, NARROW_EXPAND),
-    (200, (120, 40, 40), 24, 100, 100, "distinct", 0.2, None, NARROW_EXPAND),
+    (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, DYNAMIC_EXPAND),
+    (200, (120, 40, 40), 24, 100, 100, "distinct", 0.2, None, DYNAMIC_EXPAND),
+    (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, DYNAMIC_EXPAND),  # few: the grid's own items
 ]
 
 
@@ -371,9 +375,10 @@ def test_split_k_shrink_sums_its_partials_in_split_order(num_tokens, hidden, num
 
 
 def test_effective_split_spreads_the_work_items_over_the_grid():
-    """The split a launch takes: the static one while every item has a program, less as the step's tiles
-    grow, never an empty split, never below 1."""
-    cfg = ShrinkConfig(16, 16, 128, 16)
+    """The split a launch of a dynamic shape takes: the static one while every item has a program, less as
+    the step's tiles grow, never an empty split, never below 1; a shape that is not dynamic keeps its split."""
+    assert effective_split(ShrinkConfig(16, 16, 128, 16), (48, 10), 200, 4096, 48) == (16, 256)
+    cfg = ShrinkConfig(16, 16, 128, 16, dynamic=True)
     grid = (3 * 16, 2 + 8)  # 3 row tiles x 16 splits, 10 token-tile programs: 480 programs
     assert effective_split(cfg, grid, 8, 4096, 48) == (16, 256)
     assert effective_split(cfg, grid, 20, 4096, 48) == (8, 512)  # 480 // 60
