@@ -5,17 +5,18 @@ adapter of a step. B's rank rows live in pool pages (lora_meta: each page row
 is one rank row of B^T over the packed output, read contiguously along the
 columns). The grid is static: groups of col_tiles column tiles of the packed
 output times the same token-tile axis as the shrink (token_programs); neither
-the pool's size nor max_loras grows it. The work is spread over those programs
-at run time: a work item is a token tile (from the step's tile map and its tile
-count) and a run of column tiles, col_tiles of them, or more where the step has
-more token tiles than the grid has programs for (many adapters of a few tokens
-each), so that each program still takes one item and finds its tokens once;
-programs without an item return at once. The K loop runs over the adapter's own
-rank only (in steps of BLOCK_R), so a rank-8 adapter reads and computes rank 8
-whatever max_lora_rank is. A column tile that straddles a slice boundary
-handles each slice under a mask. The sum is added into y in place (y may be a
-column range of a larger tensor); rows of tokens without a slot are never
-touched.
+the pool's size nor max_loras grows it. While the step's tiles (from its tile
+map and tile count) fit the token programs, program (column group, p) takes
+tile p (tiles p, p + G, ... in turn otherwise). In the decode shapes
+(ExpandConfig.dynamic) a step of more tiles (many adapters of a few tokens
+each) is spread over all programs instead: a work item is a token tile and a
+run of column tiles, longer than col_tiles where that keeps every item a
+program of its own, so that each program finds its tokens once. The K loop runs
+over the adapter's own rank only (in steps of BLOCK_R), so a rank-8 adapter
+reads and computes rank 8 whatever max_lora_rank is. A column tile that
+straddles a slice boundary handles each slice under a mask. The sum is added
+into y in place (y may be a column range of a larger tensor); rows of tokens
+without a slot are never touched.
 
 With overwrite=True the kernel writes y = product instead, without reading y:
 the items then also cover the rows of adapters of rank 0 and of tokens without
@@ -68,7 +69,7 @@ def expand_config(num_tokens: int) -> ExpandConfig:
     if num_tokens <= EXPAND_SMALL_TILE_TOKENS:
         # decode steps of up to 256 rows: a step of many adapters has one or two rows per adapter, which 32-token
         # tiles leave mostly empty (measured on an H100, Llama-3-8B's layers at T = 128 / 256 with 64 or 128-256
-        # distinct rank-16 adapters: 16-token tiles 1.3-2.4x faster; with 8 adapters -0.5 to +1.7 us a launch)
+        # distinct rank-16 adapters: 16-token tiles 1.3-2.4x faster; with 8 adapters -3.7 to +1.6 us a launch)
         return ExpandConfig(16, 128, 16, num_warps=4, dynamic=True)
     if num_tokens >= 1024:
         return ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, col_tiles=8)

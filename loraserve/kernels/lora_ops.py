@@ -8,11 +8,12 @@ graph bucket always gets the same kernels: the shrink is decode-shaped
 streamed by many programs) for T <= SHRINK_DECODE_MAX_TOKENS (256), the expand
 takes 16-token tiles for T <= EXPAND_SMALL_TILE_TOKENS (256); larger T take the
 prefill shapes (larger tiles, little split; from T = 1024 the expand takes
-16-token tiles and each program walks 8 column tiles). Within a shape, the
-kernels spread the step's work over the grid at run time (a step of many
-adapters splits K less and gives each expand program more columns). The shrink adds up its own split-K partials (the last
-program of each output tile, counted on meta.tile_counters), so the expand
-reads one [T, S*R] float32 intermediate and a layer costs two launches.
+16-token tiles and each program walks 8 column tiles). In the decode shapes the
+kernels spread a step of many adapters over the grid at run time (the shrink
+splits K less, each expand program takes more columns). The shrink adds up its
+own split-K partials (the last program of each output tile, counted on
+meta.tile_counters), so the expand reads one [T, S*R] float32 intermediate and
+a layer costs two launches.
 `lora_factors` runs the shrink alone and leaves the expand to the op that
 consumes the layer's output (kernels/fused.py), which expands it as it reads.
 Nothing here reads metadata on the host, syncs or allocates beyond that

@@ -4,18 +4,20 @@ One launch covers all slices and all adapters of a step. A's rank rows live in
 pool pages (lora_meta: PAGE_RANK rows per page, found through the page table),
 so each row is gathered from its page. Tokens are grouped by slot (LoRAMeta).
 The grid has static sizes only: G = cdiv(T, BLOCK_M) + min(L, T, LOOSE_TILES)
-token-tile programs times the row tiles of the S*R rows times the static
-split-K factor (SPLIT_K); neither the pool's size nor max_loras grows it. The
-work is spread over those programs at run time: a work item is (token tile of
-an adapter, row tile, split), the token tiles read from the step's tile map
-(one load each) and their number from its tile count. The split factor is the
-largest (at most SPLIT_K) that still gives every item a program of its own, so a
-step of few adapters splits K as far as SPLIT_K and a step of many adapters
-(more tiles than G) splits it less instead of running its tiles in turn;
-beyond one split, programs take items in turn (p, p + programs, ...). The rows
-of an item are the adapter's own S*rank rows (slice j // rank, rank row j %
-rank): a row tile wholly beyond them is skipped at once, and an adapter of
-rank r costs cdiv(S*r, BLOCK_N) row tiles whatever max_lora_rank is.
+token programs times the row tiles of the S*R rows times the static split-K
+factor (SPLIT_K); neither the pool's size nor max_loras grows it. A work item
+is (token tile of an adapter, row tile, split), the token tiles read from the
+step's tile map (one load each) and their number from its tile count. While
+the step's adapter tiles fit the G token programs, program (row tile x split,
+p) takes tile p (prefill shapes: tiles p, p + G, ... in turn). In the decode
+shapes (ShrinkConfig.dynamic) a step of more tiles (many adapters of a few
+tokens each) splits K less instead: the largest split (at most SPLIT_K) that
+still gives every item a program of its own, or beyond that programs take items
+in turn (p, p + programs, ...); so a step of 200 adapters does not run their
+tiles one after another on 24 programs. The rows of an item are the adapter's
+own S*rank rows (slice j // rank, rank row j % rank): a row tile wholly beyond
+them is skipped at once, and an adapter of rank r costs cdiv(S*r, BLOCK_N) row
+tiles whatever max_lora_rank is.
 
 Two static shapes: decode (T <= SHRINK_DECODE_MAX_TOKENS) splits K up to 16
 ways so that the few tiles of each adapter still spread its A rows over many
@@ -28,8 +30,8 @@ bit-identical whichever program comes last, which the start-up graph-vs-eager
 check relies on), writes the tile and puts the counter back to 0 for the next
 launch (so the kernel replays in a CUDA graph any number of times). The shape
 depends on T alone, so one CUDA graph bucket always runs the same kernel; the
-split it takes depends on the step's tiles, read on the device (the same
-metadata gives the same split, in a graph or not).
+split a decode shape takes depends on the step's tiles, read on the device (the
+same metadata gives the same split, in a graph or not).
 """
 import functools
 from dataclasses import dataclass
@@ -191,11 +193,12 @@ def _shrink_walk(
     code = first
     while (tile < lora_tiles) & (split < split_k):
         next_code = tl.load(map_ptr + tl.minimum(tile + tl.num_programs(1), num_tiles - 1))  # its load overlaps
-        _shrink_item(code, tile, n_tile, split, split_k, k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
-                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
-                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
-                         PAGE)
+        _shrink_item(
+            code, tile, n_tile, split, split_k, k_per_split,
+            x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, part_ptr, out_ptr,
+            counter_ptr, num_tokens, hidden, num_slices, rank_max,
+            stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
+            stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION, PAGE)
         tile += tl.num_programs(1)
         code = next_code
 
@@ -218,31 +221,26 @@ def _shrink_kernel(
     programs = tl.num_programs(0) * tl.num_programs(1)
     split_k, k_per_split = shrink_split(programs, lora_tiles, tl.num_programs(1), row_tiles, hidden, BLOCK_K,
                                         SPLIT_K, DYNAMIC)
-    if DYNAMIC:
-        if lora_tiles <= tl.num_programs(1):  # every tile has a token program of its own: the grid's items
-            _shrink_walk(first, lora_tiles, map_ptr, num_tiles, split_k, k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
-                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
-                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
-                         PAGE)
-        else:  # more tiles than token programs: items (tile, row tile, split) u = pid, pid + programs, ...
-            per_tile = row_tiles * split_k
-            u = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-            while u < lora_tiles * per_tile:
-                tile = u // per_tile
-                _shrink_item(tl.load(map_ptr + tile), tile, (u % per_tile) // split_k, u % split_k, split_k,
-                             k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
-                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
-                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
-                         PAGE)
-                u += programs
-    else:
-        _shrink_walk(first, lora_tiles, map_ptr, num_tiles, split_k, k_per_split, x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr,
-                         page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max,
-                         stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                         stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
-                         PAGE)
+    if DYNAMIC and (lora_tiles > tl.num_programs(1)):
+        # more tiles than token programs: items (tile, row tile, split) u = pid, pid + programs, ...
+        per_tile = row_tiles * split_k
+        u = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        while u < lora_tiles * per_tile:
+            tile = u // per_tile
+            _shrink_item(
+                tl.load(map_ptr + tile), tile, (u % per_tile) // split_k, u % split_k, split_k, k_per_split,
+                x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, part_ptr, out_ptr,
+                counter_ptr, num_tokens, hidden, num_slices, rank_max,
+                stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
+                stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION, PAGE)
+            u += programs
+    else:  # the grid's own items (every tile has a token program of its own, or a prefill shape)
+        _shrink_walk(
+            first, lora_tiles, map_ptr, num_tiles, split_k, k_per_split,
+            x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, part_ptr, out_ptr,
+            counter_ptr, num_tokens, hidden, num_slices, rank_max,
+            stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
+            stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION, PAGE)
 
 
 _shrink_launch = CachedLauncher(_shrink_kernel)
