@@ -12,8 +12,8 @@ key are handed out first, then cached ones least recently freed first, the end o
 start.
 
 The adapter identity is not the adapter's name: it is a number the LoRA manager gives each registration and
-each read of an adapter's weights (`LoRAManager.identity`), so a name removed and added again with other
-weights, or files read again after they changed, never meet blocks computed with other weights. None stands
+each read of an adapter's files in another version (`LoRAManager.identity`), so a name removed and added again
+with other weights, or files read again after they changed, never meet blocks computed with other weights. None stands
 for the base model. Everything here is host bookkeeping: no device work, no sync.
 """
 from __future__ import annotations

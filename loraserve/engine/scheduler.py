@@ -28,7 +28,7 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    offered to the cache as it is scheduled, so requests admitted together share
    them. The tokens looked up and found are counted per adapter
    (`prefix_cache_counts`). A sequence whose adapter's identity changed between
-   its admission and its step (the adapter was read again) starts again from
+   its admission and its step (its files were read again, changed) starts again from
    nothing (`restart_stale`); a step that is not launched takes back what it
    offered the cache, and the sequences it admitted wait again (`cancel`).
 """
@@ -210,8 +210,8 @@ class Scheduler:
 
     def restart_stale(self, out: SchedulerOutput) -> None:
         """Call once the step's adapters are resident: a scheduled sequence whose adapter identity is no longer
-        the one its blocks are keyed under (the adapter was read again since it was admitted, and its weights
-        may differ) leaves the step and waits to start again from nothing, so that no K/V computed with other
+        the one its blocks are keyed under (its files were read again since it was admitted, in another
+        version) leaves the step and waits to start again from nothing, so that no K/V computed with other
         weights is mixed into it."""
         if self._room is None or not self.block_manager.enable_prefix_caching:
             return

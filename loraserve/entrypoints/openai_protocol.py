@@ -38,8 +38,9 @@ class APIError(Exception):
 
 
 # OpenAI and vLLM fields loraserve does not implement, accepted only with the value that changes nothing.
+# (`echo` is a field of completions; on chat only its neutral value is accepted.)
 _NEUTRAL_ONLY = MappingProxyType({"best_of": 1, "suffix": None, "use_beam_search": False, "length_penalty": 1.0,
-                                  "spaces_between_special_tokens": True})
+                                  "spaces_between_special_tokens": True, "echo": False})
 
 
 class _Body(BaseModel):
@@ -217,13 +218,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    echo: bool = False  # vLLM's; not implemented for chat
 
     def check_messages(self) -> list[dict[str, str]]:
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        if self.echo:
-            raise APIError(400, "echo is not supported on chat completions", param="echo")
         return template_messages(self.messages)
 
     @property
@@ -400,13 +398,15 @@ class ResponseBuilder:
     def _choice(self, index: int, own: bool) -> _Choice:
         output = self._outputs[index]
         out = output.outputs[0]
-        generated = _Choice("", [], [], 0) if self._echo_only else \
-            _Choice(out.text, list(out.token_ids), list(out.logprobs or [None] * len(out.token_ids)), 0)
+        if self._echo_only:
+            generated = _Choice("", [], [], 0)
+        else:  # the output's own lists, not copies (a choice is only read): streaming builds one per token
+            generated = _Choice(out.text, out.token_ids, out.logprobs or [None] * len(out.token_ids), 0)
         if not self._echo:
             return generated
-        ids = list(output.prompt_token_ids)
+        ids = output.prompt_token_ids
         text = output.prompt if output.prompt is not None else self._detokenize(ids)
-        entries = list(self._prompt_entries(index, own) or [None] * len(ids))
+        entries = self._prompt_entries(index, own) or [None] * len(ids)
         return _Choice(text + generated.text, ids + generated.token_ids, entries + generated.entries, len(text))
 
     def _logprobs(self, index: int, choice: _Choice, start: int, text_offset: int) -> dict | None:

@@ -15,7 +15,7 @@ import functools
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request
@@ -111,12 +111,21 @@ class _OpenAIServer:
         make = body.make_sampling_params(limit, body.num_logprobs)
         return await self._generate(request, body, [prompt_ids], make, chat=True, arrival=arrival)
 
+    @staticmethod
+    def _choice_params(make, i: int, body):
+        """Choice i's sampling params. A full response shows each prompt's prompt logprobs from its first choice
+        alone, so its other choices do not compute them (and may take that choice's cached prompt)."""
+        params = make(i)
+        if not body.stream and i % body.n and params.prompt_logprobs is not None:
+            params = replace(params, prompt_logprobs=None)
+        return params
+
     async def _generate(self, request: Request, body, prompts: list, make, *, chat: bool, arrival: float) -> Response:
         is_base = body.model in self.model_names
         lora, label = (None, BASE_MODEL_LABEL) if is_base else (LoRARequest(body.model), body.model)
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        specs = [GenerationRequest(f"{response_id}-{i}", prompts[i // body.n], make(i), lora)
-                 for i in range(len(prompts) * body.n)]
+        specs = [GenerationRequest(f"{response_id}-{i}", prompts[i // body.n], self._choice_params(make, i, body),
+                                   lora) for i in range(len(prompts) * body.n)]
         try:
             stream = await self.engine.add_requests(specs)
         except Exception as exc:

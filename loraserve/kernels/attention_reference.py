@@ -30,13 +30,16 @@ def write_kv_cache(
 def _gather_context(
     cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
     block_row: torch.Tensor,  # [MB] int32
+    first: int,
     seq_len: int,
 ) -> torch.Tensor:
-    """Returns one sequence's first ``seq_len`` cached tokens as ``[KVH, seq_len, D]`` fp32."""
+    """Returns one sequence's cached tokens ``first..seq_len - 1`` as ``[KVH, seq_len - first, D]`` fp32 (only
+    the blocks that hold them are read)."""
     block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_row[:num_blocks].long()  # [nb]
-    tokens = cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, KVH, D]
+    first_block, num_blocks = first // block_size, -(-seq_len // block_size)
+    blocks = block_row[first_block:num_blocks].long()  # [nb]
+    skip = first_block * block_size
+    tokens = cache[blocks].flatten(0, 1)[first - skip:seq_len - skip]  # [seq_len - first, KVH, D]
     return tokens.transpose(0, 1).float()
 
 
@@ -74,8 +77,8 @@ def paged_attention_ref(
             continue
         # the keys any of the queries sees: [first, seq_len)
         first = 0 if window is None else max(0, seq_len - q_len - window + 1)
-        keys = _gather_context(k_cache, block_tables[s], seq_len)[None, :, first:]  # [1, KVH, L, D]
-        values = _gather_context(v_cache, block_tables[s], seq_len)[None, :, first:]  # [1, KVH, L, D]
+        keys = _gather_context(k_cache, block_tables[s], first, seq_len)[None]  # [1, KVH, L, D]
+        values = _gather_context(v_cache, block_tables[s], first, seq_len)[None]  # [1, KVH, L, D]
         q_seq = q[q_start:q_end].float().transpose(0, 1)[None]  # [1, H, q_len, D] (4-D: the fused CPU kernel)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # [q_len, 1]
         k_pos = torch.arange(first, seq_len, device=q.device)[None, :]  # [1, L]

@@ -14,8 +14,9 @@
 - load-ahead (`prefetch`): the adapters of waiting requests are read from disk on the worker thread and
   copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
   running or waiting request needs.
-- identity (`identity`): a number given to each registration and each read of an adapter's weights, never
-  the name; the prefix cache keys K/V blocks by it, so weights that may differ never share cached blocks.
+- identity (`identity`): a number given to each registration, and again whenever the adapter's files are
+  read in another version than before (`files_version`), never the name; the prefix cache keys K/V blocks by
+  it, so weights that may differ never share cached blocks.
 - registration in the background (`start_register`, `collect_registrations`): a folder read on the worker
   thread and registered when its read is done, for callers that must not wait for it.
 - refcounts: requests in flight per adapter. An unregistered adapter refuses new requests; its in-flight
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from collections import Counter, OrderedDict, deque
 from concurrent import futures
@@ -43,6 +45,7 @@ from loraserve.lora.runtime import LoRARuntime
 logger = logging.getLogger(__name__)
 
 IN_MEMORY = "<in memory>"  # the path shown for adapters registered as objects
+IN_MEMORY_VERSION = (IN_MEMORY,)  # an adapter object's weights never change behind its name
 LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
 
 
@@ -64,7 +67,8 @@ class _Registered:
     path: str
     rank: int
     source: LoRAAdapter | None = None  # in-memory adapters: packed again from this when out of the host cache
-    generation: int = 0  # its identity: new at registration and at each read of its files (LoRAManager.identity)
+    generation: int = 0  # its identity: new at registration and whenever it is read in another version
+    version: tuple | None = None  # the version of its last read (files_version; IN_MEMORY_VERSION for objects)
     counters: AdapterCounters = field(default_factory=AdapterCounters)
 
 
@@ -113,9 +117,9 @@ class LoRAManager:
 
     def identity(self, name: str) -> int:
         """What the weights adapter `name` (registered or retired) serves now stand for: a number no other
-        registration or read of any adapter had. It changes at each read of the adapter's files (they may have
-        changed while it was out of the caches), so K/V computed with one set of weights is never taken for
-        another's, whatever the name."""
+        registration or read of any adapter had. It changes when its files are read again in another version
+        (they changed while it was out of the caches), so K/V computed with one set of weights is never taken
+        for another's, whatever the name."""
         return self._entry(name).generation
 
     @property
@@ -138,7 +142,7 @@ class LoRAManager:
                 self._check_pin_room(name, loaded.rank)
             entry = _Registered(path, loaded.rank)
             self._registry[name] = entry
-            self._record_load(entry, loaded.seconds)
+            self._record_load(entry, loaded)
             self._cache_on_cpu(name, loaded.packed)
         if pinned:
             self._pin(name)
@@ -154,7 +158,8 @@ class LoRAManager:
         if pinned:
             self._check_pin_room(name, adapter.max_rank)
         source = adapter.to(dtype=self.runtime.dtype)
-        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, source, next(self._generations))
+        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, source, next(self._generations),
+                                           IN_MEMORY_VERSION)
         if pinned:
             self._pin(name)
 
@@ -301,14 +306,18 @@ class LoRAManager:
     # -- the host cache -----------------------------------------------------------------
     def load(self, name: str, path: str) -> LoadedAdapter:
         """Read, validate and pack an adapter (pinned on CUDA) with the reader. Touches no manager state: any
-        thread."""
-        return self._reader.read(name, path)
+        thread. The files' version is taken before the read, so files that change during it are a new version
+        at the next read."""
+        version = files_version(path)
+        loaded = self._reader.read(name, path)
+        loaded.version = version
+        return loaded
 
     def _read(self, name: str, entry: _Registered) -> LoadedAdapter:
         if entry.source is not None:
             start = time.perf_counter()
             packed = self.runtime.pack(entry.source)
-            return LoadedAdapter(packed, entry.rank, time.perf_counter() - start)
+            return LoadedAdapter(packed, entry.rank, time.perf_counter() - start, entry.version)
         return self.load(name, entry.path)
 
     def _start_read(self, name: str) -> None:
@@ -322,16 +331,16 @@ class LoRAManager:
             future = self._reading.pop(name)
             if future.exception() is None and name in self._registry and name not in self._cpu:
                 loaded = future.result()
-                self._record_load(self._registry[name], loaded.seconds)
+                self._record_load(self._registry[name], loaded)
                 self._cache_on_cpu(name, loaded.packed)
 
-    def _record_load(self, entry: _Registered, seconds: float) -> None:
-        if entry.source is None:  # files read: they may have changed (an in-memory adapter's weights cannot)
-            entry.generation = next(self._generations)
+    def _record_load(self, entry: _Registered, loaded: LoadedAdapter) -> None:
+        if loaded.version is None or loaded.version != entry.version:  # other weights may have been read
+            entry.version, entry.generation = loaded.version, next(self._generations)
         self.num_loads += 1
-        self.recent_load_seconds.append(seconds)
+        self.recent_load_seconds.append(loaded.seconds)
         entry.counters.disk_loads += 1
-        entry.counters.load_seconds += seconds
+        entry.counters.load_seconds += loaded.seconds
 
     def _cache_on_cpu(self, name: str, packed: PackedAdapter) -> None:
         old = self._cpu.pop(name, None)
@@ -356,7 +365,7 @@ class LoRAManager:
         future = self._reading.pop(name, None)
         entry = self._entry(name)
         loaded = future.result() if future is not None and future.exception() is None else self._read(name, entry)
-        self._record_load(entry, loaded.seconds)
+        self._record_load(entry, loaded)
         self._cache_on_cpu(name, loaded.packed)
         return loaded.packed
 
@@ -373,11 +382,6 @@ class LoRAManager:
         twice: a name already being registered in the background is left as it is."""
         if name not in self._registering:
             self._registering[name] = (path, self._worker.submit(self.load, name, path))
-
-    @property
-    def registering(self) -> frozenset[str]:
-        """The names being read for `start_register`."""
-        return frozenset(self._registering)
 
     def collect_registrations(self, wait: float = 0.0) -> list[tuple[str, Exception | None]]:
         """Register the adapters whose background reads are done (waiting up to `wait` seconds for one when
@@ -432,3 +436,15 @@ class LoRAManager:
     def counters(self) -> dict[str, AdapterCounters]:
         """Per registered adapter, its load/eviction counts (copies)."""
         return {name: AdapterCounters(**vars(entry.counters)) for name, entry in self._registry.items()}
+
+
+def files_version(folder: str) -> tuple | None:
+    """The version of an adapter folder's files: (name, inode, size, modification and change times) of each,
+    so that files rewritten or replaced differ (copies keep a modification time, never a change time); None
+    when the folder can't be listed (the read that follows says why)."""
+    try:
+        with os.scandir(folder) as entries:
+            stats = [(e.name, e.stat()) for e in entries if e.is_file()]
+    except OSError:
+        return None
+    return tuple(sorted((name, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns) for name, st in stats))

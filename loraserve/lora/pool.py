@@ -225,14 +225,10 @@ class AdapterPool:
         self._pages_of[adapter_id] = pages
         return adapter_id, pages
 
-    def write(self, adapter_id: int, packed: PackedAdapter) -> None:
-        """Copy a packed adapter into its pages and its rows of the page and rank tables (on the current
-        stream; the host buffers must stay alive until the copy is done)."""
-        self.write_at(adapter_id, self._pages_of[adapter_id], packed)
-
     def write_at(self, adapter_id: int, pages: list[int], packed: PackedAdapter) -> None:
-        """`write` to pages and an id chosen elsewhere: another rank's pool of a tensor-parallel group holds
-        each adapter at the id and pages rank 0's pool gave it."""
+        """Copy a packed adapter into `pages` and its rows of the page and rank tables under `adapter_id` (on the
+        current stream; the host buffers must stay alive until the copy is done). The pages and id come from
+        `allocate`, or on another rank of a tensor-parallel group from rank 0's pool."""
         if len(pages) != packed.num_pages:
             raise ValueError(f"adapter id {adapter_id} holds {len(pages)} pages, the adapter needs {packed.num_pages}")
         end = packed.span_start + packed.data.shape[1]

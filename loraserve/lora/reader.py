@@ -63,6 +63,7 @@ class LoadedAdapter:
     packed: PackedAdapter
     rank: int
     seconds: float  # reading, checking and packing it
+    version: tuple | None = None  # what was read: the files' version (LoRAManager.load), None when unknown
 
 
 @dataclass(frozen=True)

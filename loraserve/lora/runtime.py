@@ -86,15 +86,13 @@ class TensorParallelPacker:
     def __init__(self, packer: AdapterPacker, layers: list[tuple[int, LoRALinear]], tp: ParallelGroup):
         self.packer, self.layers, self.tp = packer, layers, tp
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.packer.dtype
-
     def pack(self, adapter: LoRAAdapter, pin: bool = False) -> PackedAdapter:
         packed = self.pack_own(adapter, pin)
-        peers = [self.packer.pack_layers(self._rank_weights(adapter, r)).data
-                 for r in range(self.tp.size) if r != self.tp.rank]
-        packed.peer_data = torch.stack(peers).share_memory_()  # [ranks - 1, pages, width]
+        peers = torch.zeros((self.tp.size - 1, *packed.data.shape), dtype=self.packer.dtype).share_memory_()
+        others = [r for r in range(self.tp.size) if r != self.tp.rank]
+        for part, r in zip(peers, others):  # part: [pages, width], written in place
+            self.packer.pack_layers(self._rank_weights(adapter, r), data=part)
+        packed.peer_data = peers  # [ranks - 1, pages, width]
         return packed
 
     def pack_own(self, adapter: LoRAAdapter, pin: bool = False) -> PackedAdapter:
@@ -103,14 +101,8 @@ class TensorParallelPacker:
 
     def _rank_weights(self, adapter: LoRAAdapter, rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
         """Per LoRA layer, per slice: rank `rank`'s part of the adapter's (A, B), or None where it has none."""
-        weights = []
-        for layer_index, layer in self.layers:
-            slices = []
-            for s, module in enumerate(layer.slice_names):
-                pair = adapter.weights.get((layer_index, module))
-                slices.append(None if pair is None else layer.base.lora_shard(*pair, s, rank))
-            weights.append(slices)
-        return weights
+        return [[None if pair is None else layer.base.lora_shard(*pair, s, rank) for s, pair in enumerate(slices)]
+                for (_, layer), slices in zip(self.layers, self.packer.layer_weights(adapter))]
 
 
 class LoRARuntime:
@@ -226,14 +218,19 @@ class LoRARuntime:
         if packed.peer_data is not None:
             self._peer_loads.append(PeerLoad(adapter_id, pages, packed.peer_data, packed.span_start,
                                              packed.ranks.numpy().copy()))
+        return adapter_id, self._write(adapter_id, pages, packed)
+
+    def _write(self, adapter_id: int, pages: list[int], packed: PackedAdapter) -> torch.cuda.Event | None:
+        """Copy a packed adapter into `pages` under `adapter_id`; on CUDA on the load stream, returning the event
+        that marks the copy done (None on the CPU, where the copy is done on return)."""
         if self._load_stream is None:
-            self.pool.write(adapter_id, packed)
-            return adapter_id, None
+            self.pool.write_at(adapter_id, pages, packed)
+            return None
         with torch.cuda.stream(self._load_stream):
-            self.pool.write(adapter_id, packed)
+            self.pool.write_at(adapter_id, pages, packed)
             done = torch.cuda.Event()
             done.record(self._load_stream)
-        return adapter_id, done
+        return done
 
     def take_peer_loads(self) -> list[PeerLoad]:
         """Rank 0: the loads since the last call, for the other ranks to repeat before the next step."""
@@ -244,14 +241,7 @@ class LoRARuntime:
         """Rank r > 0: write its part of an adapter rank 0 loaded, at the same id and pages; the current stream
         is ordered after the copy."""
         packed = PackedAdapter(load.data[self.tp.rank - 1], load.span_start, torch.from_numpy(load.ranks))
-        if self._load_stream is None:
-            self.pool.write_at(load.adapter_id, load.pages, packed)
-            return
-        with torch.cuda.stream(self._load_stream):
-            self.pool.write_at(load.adapter_id, load.pages, packed)
-            done = torch.cuda.Event()
-            done.record(self._load_stream)
-        self.wait_for(done)
+        self.wait_for(self._write(load.adapter_id, load.pages, packed))
 
     def wait_for(self, event: torch.cuda.Event | None) -> None:
         """Order the current stream after a load."""

@@ -178,7 +178,7 @@ class QKVParallelLinear(PackedColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  tp: ParallelGroup = NO_PARALLEL):
         self.head_dim = head_dim
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads  # whole-model counts
+        self.num_kv_heads = num_kv_heads  # the whole model's (which ranks keep which KV head: slice_start)
         self.rank_heads, self.rank_kv_heads = qkv_heads_per_rank(num_heads, num_kv_heads, tp.size)
         super().__init__(hidden_size, [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
                          bias, tp)
