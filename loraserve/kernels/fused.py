@@ -38,6 +38,17 @@ _ROTARY_TILE = 512  # elements of one rotary program's [heads, hd/2] tile
 
 
 @triton.jit
+def _weighted(xf, rstd, w, dtype: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """The normalized fp32 row xf * rstd times its fp32 weight w, in fp32: as Gemma computes it, xf * rstd * (1 + w);
+    else as Llama does, w * (xf * rstd rounded to dtype)."""
+    if UNIT_OFFSET:
+        y = xf * rstd * (1.0 + w)
+    else:
+        y = w * (xf * rstd).to(dtype).to(tl.float32)
+    return y
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr, delta_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_delta, stride_res, stride_out, stride_res_out,
@@ -62,10 +73,7 @@ def _rms_norm_kernel(
     if PRE_NORM:
         rstd0 = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_dim + eps)
         w0 = tl.load(pre_w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if UNIT_OFFSET:
-            xf = (xf * rstd0 * (1.0 + w0)).to(dtype).to(tl.float32)
-        else:
-            xf = (w0 * (xf * rstd0).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        xf = _weighted(xf, rstd0, w0, dtype, UNIT_OFFSET).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0).to(tl.float32)
         s = (xf + r).to(dtype)
@@ -73,10 +81,7 @@ def _rms_norm_kernel(
         xf = s.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) * inv_dim + eps)  # torch's mean multiplies by fp32(1/D)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        out = xf * rstd * (1.0 + w)
-    else:
-        out = w * (xf * rstd).to(dtype).to(tl.float32)
+    out = _weighted(xf, rstd, w, dtype, UNIT_OFFSET)
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -140,6 +145,22 @@ def _gelu_tanh(g, LIBDEVICE: tl.constexpr):
 
 
 @triton.jit
+def _activation(gate, LIBDEVICE_EXP: tl.constexpr, GELU_TANH: tl.constexpr):
+    """The MLP's activation of `gate` computed in fp32 and rounded to gate's dtype (returned as fp32): GeLU-tanh, or
+    silu as torch computes it, g / (1 + exp(-g)) with CUDA's expf and IEEE division."""
+    g = gate.to(tl.float32)
+    if GELU_TANH:
+        act = _gelu_tanh(g, LIBDEVICE_EXP)
+    else:
+        if LIBDEVICE_EXP:  # CUDA's expf, as torch's silu uses
+            e = libdevice.exp(-g)
+        else:  # Triton's interpreter has no libdevice
+            e = tl.exp(-g)
+        act = tl.math.div_rn(g, 1.0 + e)
+    return act.to(gate.dtype).to(tl.float32)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     in_ptr, delta_ptr, out_ptr, stride_in, stride_delta, stride_out, inter,
     HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr,
@@ -159,16 +180,7 @@ def _silu_and_mul_kernel(
         d_up = tl.load(delta_ptr + row * stride_delta + inter + cols, mask=mask, other=0.0).to(tl.float32)
         gate = (gate.to(tl.float32) + d_gate).to(gate.dtype)
         up = (up.to(tl.float32) + d_up).to(up.dtype)
-    g = gate.to(tl.float32)
-    if GELU_TANH:  # gelu_tanh_and_mul
-        act = _gelu_tanh(g, LIBDEVICE_EXP).to(gate.dtype).to(tl.float32)
-    else:
-        if LIBDEVICE_EXP:  # CUDA's expf, as torch's silu uses
-            e = libdevice.exp(-g)
-        else:  # Triton's interpreter has no libdevice
-            e = tl.exp(-g)
-        act = tl.math.div_rn(g, 1.0 + e).to(gate.dtype).to(tl.float32)
-    out = act * up.to(tl.float32)
+    out = _activation(gate, LIBDEVICE_EXP, GELU_TANH) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, out.to(gate.dtype), mask=mask)
 
 
@@ -264,15 +276,7 @@ def _silu_and_mul_lora_kernel(
             dtype = gate.dtype
             gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
             up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
-            g = gate.to(tl.float32)
-            if GELU_TANH:
-                act = _gelu_tanh(g, LIBDEVICE_EXP).to(dtype).to(tl.float32)
-            else:
-                if LIBDEVICE_EXP:
-                    e = libdevice.exp(-g)
-                else:
-                    e = tl.exp(-g)
-                act = tl.math.div_rn(g, 1.0 + e).to(dtype).to(tl.float32)
+            act = _activation(gate, LIBDEVICE_EXP, GELU_TANH)
             tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], (act * up.to(tl.float32)).to(dtype),
                      mask=mask)
         tile += tl.num_programs(1)
@@ -345,12 +349,8 @@ def _rotate_heads(
         rstd = tl.math.rsqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) * inv_head_dim + eps)[:, None]
         w1 = tl.load(norm_w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_HALF]
         w2 = tl.load(norm_w_ptr + half + d, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-        if UNIT_OFFSET:
-            x1 = (x1f * rstd * (1.0 + w1)).to(dtype)
-            x2 = (x2f * rstd * (1.0 + w2)).to(dtype)
-        else:
-            x1 = (w1 * (x1f * rstd).to(dtype).to(tl.float32)).to(dtype)
-            x2 = (w2 * (x2f * rstd).to(dtype).to(tl.float32)).to(dtype)
+        x1 = _weighted(x1f, rstd, w1, dtype, UNIT_OFFSET).to(dtype)
+        x2 = _weighted(x2f, rstd, w2, dtype, UNIT_OFFSET).to(dtype)
     c = cos.to(dtype).to(tl.float32)[None, :]
     s = sin.to(dtype).to(tl.float32)[None, :]
     x1 = x1.to(tl.float32)
