@@ -141,6 +141,11 @@ class LLMEngine:
         root = self.config.lora.lora_root if self.config.lora is not None else None
         return resolve_adapter_name(name, root) if root is not None else None
 
+    def adapter_path(self, lora_request: LoRARequest) -> str | None:
+        """Where an adapter a request names is read from: the request's path, else its folder under the lora
+        root (checked as lora_root_path does), else None (unknown)."""
+        return lora_request.path if lora_request.path is not None else self.lora_root_path(lora_request.name)
+
     # -- requests ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], sampling_params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None) -> None:
@@ -165,7 +170,7 @@ class LLMEngine:
             seq.lora_name = name = lora_request.name
             if name not in self.lora_manager.paths:  # read in the background; the request waits for it
                 if name not in self._lora_waits:
-                    path = lora_request.path if lora_request.path is not None else self.lora_root_path(name)
+                    path = self.adapter_path(lora_request)
                     if path is None:
                         raise UnknownLoRAError(f"LoRA adapter {name!r} is not loaded")
                     self.lora_manager.start_register(name, path)

@@ -97,7 +97,7 @@ class LLM:
         for lora in dict.fromkeys(lora for lora in loras if lora is not None):
             if lora.name in self.engine.list_loras():
                 continue
-            path = lora.path if lora.path is not None else self.engine.lora_root_path(lora.name)
+            path = self.engine.adapter_path(lora)
             if path is not None:
                 self.engine.add_lora(LoRARequest(lora.name, path))
 
