@@ -1,4 +1,5 @@
-"""Shared helpers of the engine benchmarks (decode.py, throughput.py, lora_decode.py).
+"""Shared helpers of the engine benchmarks (decode.py, throughput.py, lora_decode.py, prefix_cache.py,
+many_adapters.py).
 
 - memory bandwidth measured in the same run (device-to-device copy, read + write);
 - the decode byte floor of a step: weights + KV read + adapters, over that bandwidth;
@@ -6,6 +7,8 @@
   context length without a real prefill. It reaches into engine internals (it sets
   `Sequence.num_computed_tokens` of waiting sequences and writes random values
   into `runner.attn_layers[i].k_cache/v_cache`), so it must follow changes there;
+- synthetic adapters registered under many names (weights repeating every DISTINCT_WEIGHTS names),
+  Poisson arrival times;
 - step timing, tables, pass/fail checks, JSON and PNG output.
 """
 from __future__ import annotations
@@ -25,7 +28,10 @@ import numpy as np
 import torch
 
 from loraserve import LoRARequest, SamplingParams
+from loraserve.lora.synthetic import random_adapter
 from loraserve.models.loader import open_model
+
+DISTINCT_WEIGHTS = 8  # adapters with distinct random weights; names beyond repeat them (generating is slow)
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -195,6 +201,35 @@ def engine_info(engine, build_seconds: float) -> dict:
             "graph_memory_bytes": graphs.graph_memory_bytes if graphs else None,
             "lora_pool_bytes": engine.lora_manager.pool_bytes_total if engine.lora_manager else 0,
             "lora_pool_pages": engine.lora_manager.pool.num_pages if engine.lora_manager else 0}
+
+
+# -- adapters and arrivals of a trace ------------------------------------------------------------
+def adapter_rank(ranks: list[int], i: int) -> int:
+    """The rank of adapter lora-i: `ranks` in turn over the distinct weights."""
+    return ranks[i % DISTINCT_WEIGHTS % len(ranks)]
+
+
+def register_adapters(engine, count: int, ranks: list[int]) -> None:
+    """`count` names lora-0.., each registered as its own adapter (rank: adapter_rank); weights repeat every
+    DISTINCT_WEIGHTS names."""
+    spec = engine.lora_manager.runtime.spec
+    made = [random_adapter(spec, f"w{i}", adapter_rank(ranks, i), seed=i) for i in range(min(count, DISTINCT_WEIGHTS))]
+    for i in range(count):
+        engine.lora_manager.register_adapter(f"lora-{i}", made[i % len(made)])
+
+
+def resident_adapters(engine, count: int, ranks: list[int]) -> list[str]:
+    """The adapters of register_adapters to load to the GPU before timing: every one when the pool holds them
+    all (a trace over resident adapters), else none (their loads belong to the trace)."""
+    pool = engine.lora_manager.runtime.pool
+    if sum(pool.pages_for(adapter_rank(ranks, i)) for i in range(count)) <= pool.num_pages:
+        return [f"lora-{i}" for i in range(count)]
+    return []
+
+
+def poisson_arrivals(rng: np.random.Generator, rate: float, n: int) -> np.ndarray:
+    """[n] arrival times (s) of a Poisson process of `rate` per second."""
+    return np.cumsum(rng.exponential(1.0 / rate, n))
 
 
 # -- decode state without prefill --------------------------------------------------------------

@@ -99,21 +99,18 @@ def set_adapters(key: str) -> list[tuple[str, int]]:
     return [(f"r{RANK}-{i}", RANK) for i in range(int(key))]
 
 
-DISTINCT_WEIGHTS = 8  # rank-16 adapters with weights of their own; later names repeat them (generating is slow)
-
-
 def register_adapters(engine, keys: list[str], adapters: dict, seed: int) -> None:
     """Register every adapter of the sets, made once per model and kept in `adapters` (fp32, CPU); rank-16
-    names past the first DISTINCT_WEIGHTS share their weights (each still its own adapter to the engine)."""
+    names past the first bc.DISTINCT_WEIGHTS share their weights (each still its own adapter to the engine)."""
     wanted = dict(pair for key in keys for pair in set_adapters(key))  # name -> rank
     spec = engine.lora_manager.runtime.spec
     for i, (name, rank) in enumerate(sorted(wanted.items())):
         if name not in adapters:
             index = int(name.rsplit("-", 1)[1]) if name.startswith(f"r{RANK}-") else -1
-            if index >= DISTINCT_WEIGHTS:
-                first = f"r{RANK}-{index % DISTINCT_WEIGHTS}"
+            if index >= bc.DISTINCT_WEIGHTS:
+                first = f"r{RANK}-{index % bc.DISTINCT_WEIGHTS}"
                 if first not in adapters:
-                    adapters[first] = random_adapter(spec, first, rank, seed=seed + 1 + index % DISTINCT_WEIGHTS)
+                    adapters[first] = random_adapter(spec, first, rank, seed=seed + 1 + index % bc.DISTINCT_WEIGHTS)
                 adapters[name] = adapters[first]
             else:
                 adapters[name] = random_adapter(spec, name, rank, seed=seed + 1 + i)

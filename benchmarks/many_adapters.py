@@ -263,7 +263,7 @@ def register_adapters(engine, scenario: Scenario, made: dict, seed: int) -> tupl
         sizes[name] = bc.adapter_bytes(adapter, dtype)
         warmup.append(name)
     for i in range(scenario.num_adapters):
-        j = (i // len(scenario.ranks)) % throughput.DISTINCT_WEIGHTS
+        j = (i // len(scenario.ranks)) % bc.DISTINCT_WEIGHTS
         adapter = adapter_weights(made, engine, scenario.rank_of(i), scenario.targets, j, seed)
         engine.lora_manager.register_adapter(f"lora-{i}", adapter)
         sizes[f"lora-{i}"] = bc.adapter_bytes(adapter, dtype)
@@ -348,17 +348,12 @@ def run_engine(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, 
     return result
 
 
-def poisson_arrivals(rng, rate: float, n: int) -> np.ndarray:
-    """[n] arrival times (s) of a Poisson process of `rate` per second."""
-    return np.cumsum(rng.exponential(1.0 / rate, n))
-
-
 def make_trace(args, rng) -> Trace:
     """The requests every run replays: random prompts and output lengths, arrivals at t=0 or Poisson."""
     n = args.num_requests
     prompt_lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, n)
     out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
-    arrivals = np.zeros(n) if args.request_rate is None else poisson_arrivals(rng, args.request_rate, n)
+    arrivals = np.zeros(n) if args.request_rate is None else bc.poisson_arrivals(rng, args.request_rate, n)
     vocab = bc.model_vocab_size(args.model)
     return Trace([rng.integers(0, vocab, k).tolist() for k in prompt_lens], out_lens, arrivals, args.request_rate)
 
@@ -468,7 +463,7 @@ def main(argv=None) -> int:
         run_trace = trace
         if scenario.dist == "fairness" and args.request_rate is None:  # its own Poisson arrivals
             arrivals_rng = np.random.default_rng([args.seed, len(SCENARIOS)])
-            run_trace = trace._replace(arrivals=poisson_arrivals(arrivals_rng, FAIRNESS_RATE, args.num_requests),
+            run_trace = trace._replace(arrivals=bc.poisson_arrivals(arrivals_rng, FAIRNESS_RATE, args.num_requests),
                                        rate=FAIRNESS_RATE)
         print(f"{name}: {scenario.num_adapters} adapters, ranks {scenario.ranks}, {len(scenario.targets)} targets")
         runs[name] = run_engine(args, device, run_trace, made, ceilings, rng, scenario, picks)

@@ -41,7 +41,6 @@ import bench_common as bc  # noqa: E402
 import throughput  # noqa: E402
 from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
-from loraserve.lora.synthetic import random_adapter  # noqa: E402
 from loraserve.sequence import SchedulerOutput  # noqa: E402
 
 SAVED_TARGET = 0.9  # share of the shared prompt part no longer computed, with caching on
@@ -110,7 +109,7 @@ def make_trace(args, rng, vocab: int) -> tuple[list[list[int]], np.ndarray, np.n
     turns = rng.integers(args.turn_len[0], args.turn_len[1] + 1, n)
     prompts = [system + rng.integers(0, vocab, k).tolist() for k in turns]
     out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
-    arrivals = np.zeros(n) if args.request_rate is None else np.cumsum(rng.exponential(1.0 / args.request_rate, n))
+    arrivals = np.zeros(n) if args.request_rate is None else bc.poisson_arrivals(rng, args.request_rate, n)
     return prompts, out_lens, arrivals
 
 
@@ -124,22 +123,14 @@ def build_engine(args, device, lora: bool, caching: bool) -> tuple[LLMEngine, di
         enable_prefix_caching=caching, **lora_options))
     info = bc.engine_info(engine, time.perf_counter() - t0)
     if lora:
-        spec = engine.lora_manager.runtime.spec
-        made = [random_adapter(spec, f"w{i}", args.lora_rank, seed=i)
-                for i in range(min(max(args.adapters), throughput.DISTINCT_WEIGHTS))]
-        for i in range(max(args.adapters)):
-            engine.lora_manager.register_adapter(f"lora-{i}", made[i % len(made)])
+        bc.register_adapters(engine, max(args.adapters), [args.lora_rank])
     return engine, info
 
 
 def warm_up(engine, args, num_adapters: int, rng) -> int:
     """Short random requests (kernel compilation), one per adapter too when the pool holds them all (the run
     then serves resident adapters); then the prefix cache is emptied. Returns the adapters loaded."""
-    names = [f"lora-{i}" for i in range(num_adapters)]
-    if num_adapters:
-        pool = engine.lora_manager.pool
-        if pool.pages_for(args.lora_rank) * num_adapters > pool.num_pages:
-            names = []
+    names = bc.resident_adapters(engine, num_adapters, [args.lora_rank]) if num_adapters else []
     vocab = engine.hf_config.vocab_size
     warm = [None] * WARMUP_REQUESTS + names
     throughput.run_loop(engine, [rng.integers(0, vocab, args.turn_len[0]).tolist() for _ in warm],

@@ -44,9 +44,6 @@ from loraserve import SamplingParams  # noqa: E402
 from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.request import LoRARequest  # noqa: E402
-from loraserve.lora.synthetic import random_adapter  # noqa: E402
-
-DISTINCT_WEIGHTS = 8  # adapters with distinct random weights; names beyond repeat them (generating is slow)
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -106,15 +103,6 @@ def warm_up(engine, vocab: int, prompt_len: int, rng, adapters: list[str]) -> No
         engine.step()
 
 
-def resident_adapters(engine, args) -> list[str]:
-    """The adapters loaded to the GPU before timing: every one when the pool holds them all (a trace over
-    resident adapters), else none (their loads belong to the trace)."""
-    pool = engine.lora_manager.runtime.pool
-    if sum(pool.pages_for(adapter_rank(args, i)) for i in range(args.adapters)) <= pool.num_pages:
-        return [f"lora-{i}" for i in range(args.adapters)]
-    return []
-
-
 def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: np.ndarray,
              adapters: list[str | None], prefix: str = "req") -> tuple[float, dict, int]:
     """Submit requests (ids prefix-0, prefix-1, ...) at their arrival times and step until all finish;
@@ -148,20 +136,6 @@ def request_adapters(args, rng, n: int) -> list[str]:
     return [f"lora-{i}" for i in picks]
 
 
-def adapter_rank(args, i: int) -> int:
-    """The rank of adapter i: --lora-rank's ranks in turn over the distinct weights."""
-    return args.lora_rank[i % DISTINCT_WEIGHTS % len(args.lora_rank)]
-
-
-def register_adapters(engine, args) -> None:
-    """args.adapters names, each registered as its own adapter; weights repeat every DISTINCT_WEIGHTS names."""
-    spec = engine.lora_manager.runtime.spec
-    made = [random_adapter(spec, f"w{i}", adapter_rank(args, i), seed=i)
-            for i in range(min(args.adapters, DISTINCT_WEIGHTS))]
-    for i in range(args.adapters):
-        engine.lora_manager.register_adapter(f"lora-{i}", made[i % len(made)])
-
-
 def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, rng, caching: bool = True) -> dict:
     """Build one engine, warm it up, replay the trace; the engine is freed on return."""
     needed = args.prompt_len[1] + args.output_len[1] + 1
@@ -175,8 +149,8 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     info = bc.engine_info(engine, time.perf_counter() - t0)
     warmed: list[str] = []
     if lora:
-        register_adapters(engine, args)
-        warmed = resident_adapters(engine, args)
+        bc.register_adapters(engine, args.adapters, args.lora_rank)
+        warmed = bc.resident_adapters(engine, args.adapters, args.lora_rank)
     warm_up(engine, engine.hf_config.vocab_size, args.prompt_len[0], rng, warmed)
     replays = []
     for replay in range(args.replays):  # the last one counts; the earlier ones warm the engine up
@@ -226,10 +200,7 @@ def main(argv=None) -> int:
     n = args.num_requests
     prompt_lens = rng.integers(args.prompt_len[0], args.prompt_len[1] + 1, n)
     out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, n)
-    if args.request_rate is None:
-        arrivals = np.zeros(n)
-    else:
-        arrivals = np.cumsum(rng.exponential(1.0 / args.request_rate, n))
+    arrivals = np.zeros(n) if args.request_rate is None else bc.poisson_arrivals(rng, args.request_rate, n)
     needed = args.prompt_len[1] + args.output_len[1] + 1
     limit = bc.model_max_len(args.model)
     if limit is not None and needed > limit:
