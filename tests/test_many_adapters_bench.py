@@ -1,11 +1,9 @@
 """benchmarks/many_adapters.py on the CPU: the tiny model, --quick, a zipf and the fairness scenario; the JSON
-has every reported field with plausible values; `loraserve bench many-adapters` runs that script."""
+has every reported field with plausible values."""
 import importlib.util
 import json
 import sys
 from pathlib import Path
-
-from loraserve.entrypoints import cli
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -50,10 +48,3 @@ def test_many_adapters_quick(tmp_path):
     assert "fairness: cold p99 TTFT / hot p99 TTFT" in checks
     assert (tmp_path / "many_adapters.png").exists() or importlib.util.find_spec("matplotlib") is None
 
-
-def test_cli_runs_the_script(monkeypatch):
-    ran = []
-    monkeypatch.setattr(cli.runpy, "run_path", lambda path, run_name: ran.append((path, list(sys.argv[1:]))))
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    assert cli.main(["bench", "many-adapters", "--quick"]) == 0
-    assert ran == [(str(BENCHMARKS / "many_adapters.py"), ["--quick"])]

@@ -1,11 +1,8 @@
 """benchmarks/prefix_cache.py on the CPU: the tiny model, --quick, 0 and 8 adapters with the prefix cache off
-and on; the JSON has every reported field, the prompt tokens computed add up, and `loraserve bench
-prefix-cache` runs that script."""
+and on; the JSON has every reported field, and the prompt tokens computed add up."""
 import json
 import sys
 from pathlib import Path
-
-from loraserve.entrypoints import cli
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
@@ -40,10 +37,3 @@ def test_prefix_cache_quick(tmp_path):
         "0 adapters: shared prompt part not computed with caching", "0 adapters: TTFT p50 off / on",
         "8 adapters: shared prompt part not computed with caching", "8 adapters: TTFT p50 off / on"]
 
-
-def test_cli_runs_the_script(monkeypatch):
-    ran = []
-    monkeypatch.setattr(cli.runpy, "run_path", lambda path, run_name: ran.append((path, list(sys.argv[1:]))))
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
-    assert cli.main(["bench", "prefix-cache", "--quick"]) == 0
-    assert ran == [(str(BENCHMARKS / "prefix_cache.py"), ["--quick"])]

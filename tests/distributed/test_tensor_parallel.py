@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
+from hf_reference import assert_matches_reference, load_peft_model, teacher_forced_logprobs
 from model_fixtures import WINDOW, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.distributed import ParallelGroup
@@ -89,21 +89,15 @@ def test_outputs_equal_one_rank_with_mixed_adapters(parallel, setup):
 def test_mixed_adapters_match_peft(parallel, setup):
     """The same batch against HF + PEFT (an independent reference): tokens are PEFT's argmax, logprobs within
     1e-4; and each adapter changes the output."""
-    from peft import PeftModel
-
     folder, adapters, prompts, requests, _ = setup
     outputs = parallel.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_request=requests,
                                 use_tqdm=False)
-    names = list(adapters)
-    peft = PeftModel.from_pretrained(load_hf_model(folder), adapters[names[0]], adapter_name=names[0])
-    for name in names[1:]:
-        peft.load_adapter(adapters[name], adapter_name=name)
-    peft.eval()
+    peft = load_peft_model(folder, adapters)
     for name, prompt, out in zip(ROWS, prompts, outputs):
         ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids, adapter_names=[name or "__base__"])
         assert_matches_reference(out, ref)
     base = parallel.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)[0]
-    for name in names:
+    for name in adapters:
         other = parallel.generate([{"prompt_token_ids": prompts[0]}], GREEDY, lora_request=LoRARequest(name),
                                   use_tqdm=False)[0]
         assert other.outputs[0].logprobs[0] != base.outputs[0].logprobs[0], name

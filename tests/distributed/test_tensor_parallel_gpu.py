@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from model_fixtures import make_lora_adapters
+from model_fixtures import CONFIDENT_STEPS, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from tp_driver import run_killed_worker
 
@@ -23,7 +23,6 @@ EIGHT = [{"name": f"a{i}", "r": r, "lora_alpha": 2 * r, "target_modules": target
                                            (16, ["k_proj", "v_proj", "gate_proj", "up_proj"]), (32, ALL_MODULES),
                                            (64, ["o_proj", "down_proj"]), (8, ALL_MODULES),
                                            (16, ["q_proj", "v_proj"]), (4, ["gate_proj", "up_proj", "down_proj"])])]
-TRAIN_STEPS = 200  # confident tiny models: bf16 rounding flips fewer greedy choices (tests/worker explains)
 ENGINE = dict(device="cuda", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=256, enable_lora=True,
               max_loras=8, max_lora_rank=64, lora_gpu_memory=0.05)
 
@@ -43,7 +42,7 @@ def _rows(n: int, adapters: dict[str, str]) -> list[LoRARequest | None]:
 @pytest.fixture(scope="module")
 def bf16(tiny_model_factory, tmp_path_factory):
     """A confident tiny model, its 8 adapters, and engines of 1 GPU and 2 GPUs (graphs) in bf16."""
-    folder = tiny_model_factory("llama", train_steps=TRAIN_STEPS)
+    folder = tiny_model_factory("llama", train_steps=CONFIDENT_STEPS)
     paths = make_lora_adapters(folder, tmp_path_factory.mktemp("tp-gpu-adapters"), EIGHT, seed=5)
     adapters = dict(zip([s["name"] for s in EIGHT], paths))
     one = LLM(folder, dtype="bfloat16", **ENGINE)

@@ -9,10 +9,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -20,9 +18,9 @@ import pytest
 from loraserve import SamplingParams
 from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError
 from loraserve.errors import WorkerDiedError
-from tp_driver import DRIVER, alive, run_killed_worker, spawned_children, wait_gone
+from server_harness import free_port, wait_healthy
+from tp_driver import DRIVER, REPO, alive, run_killed_worker, spawned_children, wait_gone
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE = 180  # seconds the server may take to start before it counts as a hang
 
 
@@ -53,16 +51,10 @@ def test_sigterm_to_the_engine_process_ends_its_workers(model):
         proc.kill()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(model, tmp_path):
     """`loraserve serve --tensor-parallel-size 2`: a worker killed while a request streams: the request ends with
     an error, new requests get 503 while the server stops, and the process exits with status 1."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
@@ -70,15 +62,7 @@ def test_server_answers_503_and_exits_nonzero_when_a_worker_dies(model, tmp_path
          "--port", str(port), "--max-model-len", "512", "--tensor-parallel-size", "2", "--log-level", "warning"],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + DEADLINE
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.25)
+        wait_healthy(url, proc, timeout=DEADLINE)
         (worker,) = spawned_children(proc.pid)
         body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 450, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:

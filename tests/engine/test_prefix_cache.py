@@ -7,6 +7,7 @@ from itertools import combinations
 
 import pytest
 
+from test_scheduler import FakeRoom
 from loraserve.config import LoRAConfig, SchedulerConfig
 from loraserve.engine.block_manager import ROOT_KEY, BlockManager, block_key
 from loraserve.engine.scheduler import Scheduler
@@ -14,21 +15,6 @@ from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import Sequence, SequenceStatus
 
 BS = 4
-
-
-class Room:
-    """The LoRA manager as the scheduler sees it: ample pages, an identity per adapter that tests may change."""
-
-    def __init__(self):
-        self.num_pages = 10_000
-        self.pinned = frozenset()
-        self.identities = {}
-
-    def pages_of(self, name):
-        return 1
-
-    def identity(self, name):
-        return self.identities.setdefault(name, len(self.identities) + 1)
 
 
 def _seq(rid, tokens, max_tokens=4, lora=None, **params):
@@ -45,7 +31,7 @@ def _computed(bm, rid, tokens):
 
 def _scheduler(num_blocks=64, budget=64, max_num_seqs=16, caching=True):
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=512)
-    return Scheduler(config, BlockManager(num_blocks, BS, caching), LoRAConfig(max_loras=8), Room())
+    return Scheduler(config, BlockManager(num_blocks, BS, caching), LoRAConfig(max_loras=8), FakeRoom())
 
 
 def _step(sched):
@@ -239,7 +225,7 @@ def test_random_requests_with_aborts_keep_every_slot_right_and_leak_nothing(seed
     the cache, also from a sequence of the same step, included."""
     rng = random.Random(seed)
     config = SchedulerConfig(max_num_seqs=12, max_num_batched_tokens=48, max_model_len=512)
-    room = Room()
+    room = FakeRoom()
     sched = Scheduler(config, BlockManager(40, BS), LoRAConfig(max_loras=8), room)
     bm = sched.block_manager
     slots = {}  # (block, offset) -> (identity, tuple of tokens up to and including that position)

@@ -13,19 +13,20 @@ from loraserve.sampling_params import SamplingParams
 
 
 class FakeRoom:
-    """The GPU adapter pool as the scheduler sees it: `num_pages` pages, each adapter's pages (default 1)."""
+    """The GPU adapter pool as the scheduler sees it: `num_pages` pages, each adapter's pages (default 1), an
+    identity per adapter (a test sets `identities[name]` to stand for the adapter's files read again)."""
 
     def __init__(self, num_pages=10_000, pages=None, pinned=()):
         self.num_pages = num_pages
         self._pages = dict(pages or {})
         self.pinned = frozenset(pinned)
-        self._identities = {}
+        self.identities = {}
 
     def pages_of(self, name):
         return self._pages.get(name, 1)
 
     def identity(self, name):
-        return self._identities.setdefault(name, len(self._identities))  # weights never change here
+        return self.identities.setdefault(name, len(self.identities))
 
 
 def _seq(i, prompt_len, max_tokens, lora=None):

@@ -1,7 +1,7 @@
 """GPU tests of the kernels the architectures beyond Llama use, at their real shapes (marked gpu): Gemma's norms,
 GeLU-tanh * up (also expanding LoRA factors), rotary with per-head q/k norms (Qwen3-8B, Gemma-3-12B), and paged
 attention with sliding windows, soft-capping and head dims 96 and 256, against the torch references; a CUDA
-graph of the new kernels replayed on fresh inputs."""
+graph of Gemma's norm, GeLU-tanh and windowed decode attention replayed on fresh inputs."""
 import pytest
 import torch
 
@@ -131,8 +131,8 @@ def test_prefill_with_window_and_softcap(dtype, case):
 
 
 def test_cuda_graph_replay_of_the_new_kernels():
-    """Gemma's fused norm, GeLU-tanh, rotary with q/k norms and windowed soft-capped decode attention, captured
-    once; replays with new inputs, tables and lengths match the references."""
+    """Gemma's fused norm, GeLU-tanh and windowed soft-capped decode attention, captured once; replays with new
+    inputs and lengths match the references (rotary with q/k norms is not in this graph)."""
     dtype, n, heads, kv_heads, head_dim, window = torch.bfloat16, 8, 16, 8, 256, 64
     gen = torch.Generator(device="cuda").manual_seed(3)
     x, residual = rand(n, 3840, dtype=dtype, gen=gen), rand(n, 3840, dtype=dtype, gen=gen)

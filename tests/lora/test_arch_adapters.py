@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from hf_reference import assert_matches_reference, load_hf_model, teacher_forced_logprobs
+from hf_reference import assert_matches_reference, load_peft_model, teacher_forced_logprobs
 from model_fixtures import WINDOW, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.lora.adapter import LoRAAdapterError, load_lora_adapter
@@ -36,8 +36,6 @@ def arch_adapters(request, tiny_model_factory, tmp_path_factory):
 
 
 def test_two_adapters_on_every_module_mixed_with_base_rows_match_peft(arch_adapters):
-    from peft import PeftModel
-
     arch, folder, adapters = arch_adapters
     llm = LLM(folder, device="cpu", max_model_len=128, enable_lora=True, max_loras=2, max_lora_rank=8)
     rng = random.Random(7)
@@ -45,9 +43,7 @@ def test_two_adapters_on_every_module_mixed_with_base_rows_match_peft(arch_adapt
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(WINDOW + 1, 50))] for _ in rows]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY,
                         lora_request=[LoRARequest(n, adapters[n]) if n else None for n in rows])
-    peft = PeftModel.from_pretrained(load_hf_model(folder), adapters["r8"], adapter_name="r8")
-    peft.load_adapter(adapters["r4_rslora"], adapter_name="r4_rslora")
-    peft.eval()
+    peft = load_peft_model(folder, adapters)
     for name, prompt, out in zip(rows, prompts, outs):
         ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids, adapter_names=[name or "__base__"])
         assert_matches_reference(out, ref)

@@ -1,16 +1,14 @@
 """/metrics exports the prefix cache's counters and a hit rate per adapter from the engine's stats (a tiny
 engine on the CPU, read through the same ServerMetrics the server renders)."""
-from prometheus_client.parser import text_string_to_metric_families
-
 from model_fixtures import make_lora_adapters
+from server_harness import metric, parse_metrics
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, ServerMetrics
 
 
 def _samples(metrics: ServerMetrics) -> dict:
     text, _ = metrics.render()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+    return parse_metrics(text.decode())
 
 
 def test_prefix_cache_counters_and_hit_rate_per_adapter(tiny_model_factory, tmp_path):
@@ -27,10 +25,10 @@ def test_prefix_cache_counters_and_hit_rate_per_adapter(tiny_model_factory, tmp_
     metrics = ServerMetrics()
     metrics.update(stats)
     samples = _samples(metrics)
-    assert samples[("loraserve_prefix_cache_queries_total", ())] == 99
-    assert samples[("loraserve_prefix_cache_hits_total", ())] == 32
-    assert samples[("loraserve_prefix_cache_hit_rate", (("adapter", BASE_MODEL_LABEL),))] == 32 / 66
-    assert samples[("loraserve_prefix_cache_hit_rate", (("adapter", "a"),))] == 0.0
+    assert metric(samples, "loraserve_prefix_cache_queries_total") == 99
+    assert metric(samples, "loraserve_prefix_cache_hits_total") == 32
+    assert metric(samples, "loraserve_prefix_cache_hit_rate", adapter=BASE_MODEL_LABEL) == 32 / 66
+    assert samples[("loraserve_prefix_cache_hit_rate", (("adapter", "a"),))] == 0.0  # exported, not just absent
     llm.engine.remove_lora("a")  # adapters that are gone leave the labels
     metrics.update(llm.engine.stats())
     assert ("loraserve_prefix_cache_hit_rate", (("adapter", "a"),)) not in _samples(metrics)

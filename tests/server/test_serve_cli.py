@@ -14,31 +14,12 @@ import httpx
 import openai
 import pytest
 from model_fixtures import make_lora_adapters
-from server_harness import serve
+from server_harness import free_port, serve, wait_healthy
 
 from loraserve.engine.async_engine import AsyncLLMEngine
 from loraserve.entrypoints.server import ServerSettings
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 150.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the server exited early"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError("the server did not become healthy")
 
 
 def _wait_refused(port: int, timeout: float = 10.0) -> float:
@@ -56,7 +37,7 @@ def _wait_refused(port: int, timeout: float = 10.0) -> float:
 def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_path):
     model = tiny_model_factory("llama")
     (adapter,) = make_lora_adapters(model, tmp_path, [dict(name="ad", r=4, target_modules=["q_proj"])])
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "loraserve.entrypoints.cli", "serve", "--model", model, "--device", "cpu",
@@ -65,7 +46,7 @@ def test_sigterm_drains_in_flight_requests_and_exits(tiny_model_factory, tmp_pat
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(url, proc)
+        wait_healthy(url, proc, timeout=150)
         body = {"model": "ad", "prompt": "Hello", "max_tokens": 200, "ignore_eos": True, "stream": True,
                 "stream_options": {"include_usage": True}}
         arrivals: list[tuple[float, str]] = []  # (time, line), read as soon as each chunk arrives

@@ -8,8 +8,7 @@ adapters mixed with base rows; greedy tokens equal HF + PEFT bf16 for 16 tokens 
 """
 import pytest
 
-from model_fixtures import WINDOW, make_lora_adapters
-from test_cuda_graphs_gpu import TRAIN_STEPS
+from model_fixtures import CONFIDENT_STEPS, WINDOW, make_lora_adapters
 from test_lora_graphs_gpu import _probe, assert_matches_peft_bf16
 from loraserve import LLM, LoRARequest
 from loraserve.models.registry import ARCHITECTURES
@@ -22,7 +21,7 @@ ARCHS = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "
 
 @pytest.fixture(scope="module", params=list(ARCHS))
 def setup(request, tiny_model_factory, tmp_path_factory):
-    folder = tiny_model_factory(request.param, train_steps=TRAIN_STEPS)
+    folder = tiny_model_factory(request.param, train_steps=CONFIDENT_STEPS)
     targets = list(ARCHITECTURES[ARCHS[request.param]].peft_target_modules())
     specs = [{"name": f"a{i}", "r": r, "lora_alpha": 2 * r, "target_modules": targets}
              for i, r in enumerate([4, 8, 16, 2])]

@@ -6,18 +6,12 @@ import pytest
 import torch
 
 from hf_reference import load_hf_model, teacher_forced_logprobs
-from model_fixtures import ARCHS
+from model_fixtures import ARCHS, CONFIDENT_STEPS
 from loraserve import LLM, SamplingParams
 from loraserve.worker.graph_check import verify_graphs
 from decode_batch import random_decode_inputs
 
 pytestmark = pytest.mark.gpu
-
-# Random tiny models have flat next-token distributions, where bf16 rounding flips greedy choices between any
-# two correct implementations (on the CPU, HF bf16 and HF fp32 agree on 16 greedy tokens for only 12-23 of 32
-# prompts). The bf16 comparisons therefore use tiny models trained for a few steps to be confident, like real
-# models; the fp32 CPU tests keep the purely random ones.
-TRAIN_STEPS = 200
 
 
 def _prompts(n, vocab, seed, max_len=40):
@@ -37,7 +31,7 @@ def greedy_agreement(outputs, prompts, reference_logprobs_fn, n_tokens=16) -> fl
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_bf16_greedy_matches_hf_bf16(arch, tiny_model_factory):
-    folder = tiny_model_factory(arch, train_steps=TRAIN_STEPS)
+    folder = tiny_model_factory(arch, train_steps=CONFIDENT_STEPS)
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=64)
     assert llm.engine.runner.graph_runner is not None and llm.engine.runner.graph_runner.graphs
     hf = load_hf_model(folder, dtype=torch.bfloat16, device="cuda")

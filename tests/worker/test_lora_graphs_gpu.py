@@ -15,7 +15,7 @@ import torch
 
 from decode_batch import random_decode_inputs
 from hf_reference import load_hf_model, teacher_forced_logprobs
-from model_fixtures import make_lora_adapters
+from model_fixtures import CONFIDENT_STEPS, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.forward_context import AttentionMetadata, ForwardContext
 from loraserve.lora.metadata import LoRAMetaBuilder
@@ -34,7 +34,7 @@ SPECS = [{"name": f"a{i}", "r": r, "lora_alpha": 2 * r, "target_modules": TARGET
 
 @pytest.fixture(scope="module")
 def setup(tiny_model_factory, tmp_path_factory):
-    folder = tiny_model_factory("llama", train_steps=200)  # a confident model: see test_gpu_engine.TRAIN_STEPS
+    folder = tiny_model_factory("llama", train_steps=CONFIDENT_STEPS)
     # adapters that change the output clearly but keep the trained model's margins (std 0.05, not 0.1)
     paths = make_lora_adapters(folder, tmp_path_factory.mktemp("gpu-adapters"), SPECS, seed=3, std=0.05)
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=40, enable_lora=True,
