@@ -12,16 +12,21 @@ with the current stream), so they can be captured in CUDA graphs.
 """
 from __future__ import annotations
 
+import logging
+import threading
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 STORE_HOST = "127.0.0.1"  # one host: every rank is a process of this machine
 STORE_TIMEOUT = timedelta(minutes=5)  # ranks that do not reach the rendezvous by then fail to start
 # A collective that waits longer than this fails (the backend's own watchdog). Start-up collectives wait for
 # the slowest rank's weight load; a dead rank is noticed long before by the worker monitor.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+ABORT_SECONDS = 5.0  # the most a group's abort (or close) waits for its backend
 
 
 class ParallelGroup:
@@ -72,9 +77,11 @@ class ParallelGroup:
         """[..., N] on each rank -> [..., size * N]: the ranks' x side by side along the last dimension."""
         if self.size == 1:
             return x
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self._backend.allgather([parts], [x.contiguous()]).wait()
-        return torch.cat(parts, dim=-1)
+        x = x.contiguous()
+        gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # [size * rows, ..., N]: one collective
+        self._backend._allgather_base(gathered, x).wait()
+        parts = gathered.view(self.size, *x.shape)
+        return parts.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """x (contiguous) <- rank src's x, in place; returns x."""
@@ -97,12 +104,24 @@ class ParallelGroup:
 
     # -- the end ------------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Break off collectives in flight (a peer died): they fail instead of waiting for it forever."""
-        if self._backend is not None:
+        """Break off collectives in flight (a peer died): they fail instead of waiting for it forever. Returns
+        within ABORT_SECONDS: NCCL's abort itself was seen to block for good (torch 2.11, NCCL 2.28, after
+        the other ranks had left), so it runs on a thread of its own that is given up on after that."""
+        if self._backend is None:
+            return
+        done = threading.Event()
+
+        def abort(backend) -> None:
             try:
-                self._backend.abort()
+                backend.abort()
             except (RuntimeError, AttributeError):  # not every backend and release can abort
                 pass
+            done.set()
+
+        threading.Thread(target=abort, args=(self._backend,), name="loraserve-tp-abort", daemon=True).start()
+        if not done.wait(ABORT_SECONDS):
+            logger.warning("the tensor-parallel group's backend did not finish aborting in %.0f s; left behind",
+                           ABORT_SECONDS)
 
     def close(self) -> None:
         """Leave the group after its last collective, without waiting for the other ranks (collectives fail
