@@ -10,7 +10,8 @@ from pathlib import Path
 
 from loraserve.entrypoints.engine_flags import add_engine_flags, engine_args
 from loraserve.entrypoints.llm import LLM
-from loraserve.entrypoints.serve_cli import add_serve_arguments, package_version, parse_lora_module, run_server
+from loraserve.entrypoints.serve_cli import add_serve_arguments, parse_lora_module, run_server
+from loraserve.entrypoints.version import package_version
 from loraserve.lora.request import LoRARequest
 from loraserve.sampling_params import SamplingParams
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.metadata
 import json
 import logging
 import os
@@ -132,14 +131,6 @@ def run_server(args: argparse.Namespace) -> None:
         logger.info("server and engine stopped")
     if async_engine.dead is not None:
         raise SystemExit(f"error: {async_engine.dead}")
-
-
-def package_version() -> str:
-    """The installed loraserve's version ("unknown" when it runs from a source tree that is not installed)."""
-    try:
-        return importlib.metadata.version("loraserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def check_address_free(host: str, port: int) -> None:

@@ -28,7 +28,7 @@ from loraserve.entrypoints.metrics import BASE_MODEL_LABEL, UNKNOWN_MODEL_LABEL,
 from loraserve.entrypoints.openai_protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                                                    DetokenizeRequest, LoadLoRAAdapterRequest, ResponseBuilder,
                                                    TokenizeRequest, UnloadLoRAAdapterRequest, template_messages)
-from loraserve.entrypoints.serve_cli import package_version
+from loraserve.entrypoints.version import package_version
 from loraserve.errors import InvalidRequestError
 from loraserve.lora.request import LoRARequest
 from loraserve.lora.resolver import LoRAPathOutsideRootError, resolve_adapter_path
