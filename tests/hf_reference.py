@@ -10,13 +10,14 @@ def load_hf_model(model_dir: str, dtype=torch.float32, device="cpu"):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="eager").to(device).eval()
 
 
-def load_peft_model(model_dir: str, adapters: dict[str, str]):
+def load_peft_model(model_dir: str, adapters: dict[str, str], dtype=torch.float32, device="cpu"):
     """The HF model of `model_dir` with PEFT adapters name -> folder loaded (run a batch with
     `adapter_names=[...]`, "__base__" for no adapter)."""
     from peft import PeftModel
 
     names = list(adapters)
-    model = PeftModel.from_pretrained(load_hf_model(model_dir), adapters[names[0]], adapter_name=names[0])
+    model = PeftModel.from_pretrained(load_hf_model(model_dir, dtype, device), adapters[names[0]],
+                                      adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)
     return model.eval()
@@ -29,6 +30,12 @@ def teacher_forced_logprobs(hf_model, prompt_ids: list[int], generated_ids: list
     logits = hf_model(ids, **forward_kwargs).logits[0].float()  # [P + G, V]
     start = len(prompt_ids) - 1
     return torch.log_softmax(logits[start:start + len(generated_ids)], dim=-1).cpu()
+
+
+def is_greedy_of(tokens: list[int], ref_logprobs: torch.Tensor) -> bool:
+    """Each token is a greedy choice of the reference ([len(tokens), V]): its logprob is the row's maximum
+    (of several equal maxima, any)."""
+    return all(float(ref_logprobs[i, t]) == float(ref_logprobs[i].max()) for i, t in enumerate(tokens))
 
 
 def assert_matches_reference(output, ref_logprobs: torch.Tensor, atol: float = 1e-4) -> None:

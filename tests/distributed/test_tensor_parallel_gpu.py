@@ -1,5 +1,6 @@
-"""Tensor parallelism on 2 GPUs (NCCL): against one GPU in fp32 and bf16, CUDA graphs (with their all-reduces
-and the LoRA kernels inside) against eager in every bucket, and a killed worker (marked gpu and multigpu).
+"""Tensor parallelism on 2 GPUs (NCCL): against one GPU in fp32 and bf16 (bf16 on 4 GPUs too, where there are
+four), CUDA graphs (with their all-reduces and the LoRA kernels inside) against eager in every bucket, and a
+killed worker (marked gpu and multigpu).
 
 Engines share GPU 0 with each other, so each takes a small KV cache (max_num_seqs sequences of
 max_model_len) and a fixed adapter pool.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from model_fixtures import CONFIDENT_STEPS, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
@@ -40,20 +42,28 @@ def _rows(n: int, adapters: dict[str, str]) -> list[LoRARequest | None]:
 
 
 @pytest.fixture(scope="module")
-def bf16(tiny_model_factory, tmp_path_factory):
-    """A confident tiny model, its 8 adapters, and engines of 1 GPU and 2 GPUs (graphs) in bf16."""
+def bf16_model(tiny_model_factory, tmp_path_factory):
+    """A confident tiny model, its 8 adapters and its engine on one GPU, in bf16."""
     folder = tiny_model_factory("llama", train_steps=CONFIDENT_STEPS)
     paths = make_lora_adapters(folder, tmp_path_factory.mktemp("tp-gpu-adapters"), EIGHT, seed=5)
     adapters = dict(zip([s["name"] for s in EIGHT], paths))
-    one = LLM(folder, dtype="bfloat16", **ENGINE)
-    two = LLM(folder, dtype="bfloat16", tensor_parallel_size=2, **ENGINE)
-    yield folder, adapters, one, two
-    two.engine.shutdown()
+    return folder, adapters, LLM(folder, dtype="bfloat16", **ENGINE)
 
 
-def test_bf16_two_gpus_greedy_equals_one_gpu(bf16):
-    """16 greedy tokens equal to one GPU's on >= 90 % of 32 prompts, without adapters and with the 8 adapters
-    mixed in one batch."""
+@pytest.fixture(scope="module", params=[2, 4])
+def bf16(request, bf16_model):
+    """bf16_model and an engine of `param` GPUs (graphs) on the same model."""
+    if torch.cuda.device_count() < request.param:
+        pytest.skip(f"needs {request.param} CUDA devices")
+    folder, adapters, one = bf16_model
+    several = LLM(folder, dtype="bfloat16", tensor_parallel_size=request.param, **ENGINE)
+    yield folder, adapters, one, several
+    several.engine.shutdown()
+
+
+def test_bf16_several_gpus_greedy_equals_one_gpu(bf16):
+    """2 and 4 GPUs: 16 greedy tokens equal to one GPU's on >= 90 % of 32 prompts, without adapters and with
+    the 8 adapters mixed in one batch."""
     folder, adapters, one, two = bf16
     vocab = one.engine.hf_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in _prompts(32, vocab, seed=1)]
@@ -66,12 +76,13 @@ def test_bf16_two_gpus_greedy_equals_one_gpu(bf16):
 
 
 def test_graphs_with_collectives_equal_eager_in_every_bucket(bf16):
-    """Every bucket was captured and passed the start-up check on both ranks; a batch of each bucket's size,
+    """Every bucket was captured and passed the start-up check on every rank; a batch of each bucket's size,
     adapters mixed, gives eager's tokens and logprobs (within bf16 rounding)."""
     folder, adapters, _, two = bf16
     graphs = two.engine.runner.graph_runner
     assert graphs is not None and sorted(graphs.graphs) == graphs.buckets
-    eager = LLM(folder, dtype="bfloat16", tensor_parallel_size=2, enforce_eager=True, **ENGINE)
+    eager = LLM(folder, dtype="bfloat16", tensor_parallel_size=two.engine.config.parallel.tensor_parallel_size,
+                enforce_eager=True, **ENGINE)
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
         vocab = two.engine.hf_config.vocab_size

@@ -36,6 +36,18 @@ def assert_ulps(got, want, ulps, max_mismatch=1e-3):
     assert mismatch <= max_mismatch, f"{mismatch:.2e} of elements differ"
 
 
+def assert_within(got, want, scale, ulps):
+    """|got - want| <= ulps * eps(dtype) * scale elementwise, where scale >= |want| is the size of the terms the
+    value is computed from: where those terms cancel, a last-bit difference in one of them is many ulps of the
+    result (rotations, 1 + tanh near -1, a residual add), so the result's own ulps are no bound there."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.double() - want.double()).abs()
+    tol = ulps * torch.finfo(got.dtype).eps * scale.double()
+    bad = err > tol
+    assert not bad.any(), (f"{int(bad.sum())} elements differ by more than {ulps} ulp of their terms; "
+                           f"worst {float((err / tol.clamp_min(1e-300)).max()):.2f}x the bound")
+
+
 def assert_norm_close(got, want):
     """fp32: a different rstd moves most elements by an ulp or a few; bf16/fp16: a few, by at most two ulps.
 

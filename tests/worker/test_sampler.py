@@ -1,8 +1,9 @@
-"""The sampler's vLLM options against references on the CPU: min_p and repetition_penalty (HF's logits
-processors), presence/frequency penalties, logit_bias and min_tokens (the logits they should give), and
-through the engine: penalties against HF greedy decoding (with the token in flight under asynchronous
-scheduling), n completions, min_tokens, stop strings kept with include_stop_str_in_output, special tokens
-with skip_special_tokens=False."""
+"""The sampler's vLLM options against references: min_p and repetition_penalty (HF's logits processors),
+presence/frequency penalties, logit_bias and min_tokens (the logits they should give), and through the
+engine: penalties against HF greedy decoding (with the token in flight under asynchronous scheduling), n
+completions, min_tokens, stop strings kept with include_stop_str_in_output, special tokens with
+skip_special_tokens=False. Each runs on the CPU and, marked gpu, on CUDA (the engine in fp32 with its CUDA
+graphs, the references on the CPU)."""
 import pytest
 import torch
 from hf_reference import load_hf_model, teacher_forced_logprobs
@@ -12,26 +13,30 @@ from transformers.generation.logits_process import (MinPLogitsWarper, Repetition
 from loraserve import LLM, SamplingParams
 from loraserve.worker.sampler import Sampler, TokenHistory
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
-def test_min_p_keeps_what_hf_keeps():
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_keeps_what_hf_keeps(device):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 80, generator=gen) * 3
-    sampler = Sampler(torch.device("cpu"), seed=0)
+    sampler = Sampler(torch.device(device), seed=0)
     for temperature, min_p in ((1.0, 0.1), (0.7, 0.05), (1.3, 0.3)):
         params = [SamplingParams(temperature=temperature, min_p=min_p)] * 6
-        probs = sampler._filtered_probs(logits, params)
+        probs = sampler._filtered_probs(logits.to(device), params).cpu()
         scores = MinPLogitsWarper(min_p)(None, TemperatureLogitsWarper(temperature)(None, logits.clone()))
         want = scores.softmax(dim=-1)
         assert torch.equal(probs > 0, want > 0)
         kept = probs / probs.sum(dim=-1, keepdim=True)
         torch.testing.assert_close(kept, want, rtol=1e-5, atol=1e-7)
-    plain = sampler._filtered_probs(logits, [SamplingParams(temperature=0.7)] * 6)
+    plain = sampler._filtered_probs(logits.to(device), [SamplingParams(temperature=0.7)] * 6)
     assert (plain > 0).all()  # min_p 0 drops nothing
 
 
-def test_logit_bias_and_min_tokens_change_the_logits_as_asked():
-    sampler = Sampler(torch.device("cpu"), seed=0, eos_token_ids={3})
-    logits = torch.zeros(3, 10)
+@pytest.mark.parametrize("device", DEVICES)
+def test_logit_bias_and_min_tokens_change_the_logits_as_asked(device):
+    sampler = Sampler(torch.device(device), seed=0, eos_token_ids={3})
+    logits = torch.zeros(3, 10, device=device)
     logits[:, 3] = 5.0  # EOS is the greedy choice
     logits[:, 7] = 4.0
     params = [SamplingParams(temperature=0.0, logit_bias={1: 100.0}),  # the bias wins
@@ -41,24 +46,25 @@ def test_logit_bias_and_min_tokens_change_the_logits_as_asked():
     want[0, 1] += 100.0
     want[1, 3] = want[1, 7] = float("-inf")
     got = sampler._biased_and_masked(logits, params, [0, 1, 1])
-    assert torch.equal(got, want)
+    assert got.device == logits.device and torch.equal(got, want)
     assert sampler(logits, ["a", "b", "c"], params, [0, 1, 1]).to_host().token_ids == [1, 0, 3]
     # min_tokens reached: nothing held back
     assert sampler(logits, ["a", "b", "c"], params, [0, 2, 2]).to_host().token_ids == [1, 3, 3]
 
 
-def test_penalties_match_hf_and_the_openai_formula():
+@pytest.mark.parametrize("device", DEVICES)
+def test_penalties_match_hf_and_the_openai_formula(device):
     gen = torch.Generator().manual_seed(1)
     vocab = 40
     logits = torch.randn(3, vocab, generator=gen) * 2
     prompts = [[1, 2, 3, 3], [5], [7, 8]]
     outputs = [[3, 9, 9, 4], [5, 5], []]
     in_flight = torch.tensor([11, 9, 22])  # the samples of the step in flight; row 0's newest token is 9
-    history = TokenHistory(prompts, outputs, [1, None, 2], in_flight)
+    history = TokenHistory(prompts, outputs, [1, None, 2], in_flight.to(device))
     params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=1.3),
               SamplingParams(repetition_penalty=0.8),
               SamplingParams(frequency_penalty=-1.0)]
-    got = Sampler(torch.device("cpu"), seed=0)._penalized(logits, params, history)
+    got = Sampler(torch.device(device), seed=0)._penalized(logits.to(device), params, history).cpu()
     want = logits.clone()
     for i, p in enumerate(params):
         generated = outputs[i] + ([int(in_flight[history.pending[i]])] if history.pending[i] is not None else [])
@@ -71,9 +77,10 @@ def test_penalties_match_hf_and_the_openai_formula():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_factory):
-    return LLM(tiny_model_factory("llama"), device="cpu", max_model_len=128)
+@pytest.fixture(scope="module", params=DEVICES)
+def llm(request, tiny_model_factory):
+    """The tiny model's engine in fp32: on the CPU, or on CUDA with its decode graphs."""
+    return LLM(tiny_model_factory("llama"), device=request.param, dtype="float32", max_model_len=128)
 
 
 def test_n_completions_offline(llm):
