@@ -2,6 +2,7 @@
 many_adapters.py).
 
 - memory bandwidth measured in the same run (device-to-device copy, read + write);
+- the collectives of one tensor-parallel decode step, timed on their own (`collective_seconds`);
 - the decode byte floor of a step: weights + KV read + adapters, over that bandwidth;
 - `start_decode_batch`: B sequences put straight into the decode state at a given
   context length without a real prefill. It reaches into engine internals (it sets
@@ -26,8 +27,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+import torch.multiprocessing
 
 from loraserve import LoRARequest, SamplingParams
+from loraserve.distributed import ParallelGroup, host_store, join_store
 from loraserve.lora.synthetic import random_adapter
 from loraserve.models.loader import open_model
 
@@ -135,6 +138,61 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # engines size their KV cache from the free memory
     return bandwidth
+
+
+def _collective_rank(rank: int, size: int, port: int, shape: tuple[int, int], gather_cols: int, count: int,
+                     dtype: torch.dtype, results) -> None:
+    """One rank of collective_seconds (a spawned process on GPU `rank`)."""
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    group = ParallelGroup.connect(join_store(port, size), rank, size, device)
+    x = torch.zeros(shape, dtype=dtype, device=device)  # [B, D]
+    logits = torch.zeros(shape[0], gather_cols, dtype=dtype, device=device)  # [B, V / size]
+
+    def reduces():
+        for _ in range(count):
+            group.all_reduce(x)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        reduces()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        reduces()
+    reduce_s = median_seconds(graph.replay, device, reps=50, warmup=5)
+    gather_s = median_seconds(lambda: group.all_gather(logits), device, reps=50, warmup=5)
+    group.barrier()
+    if rank == 0:
+        results.put((reduce_s, gather_s))
+    # leave without aborting the communicator: NCCL's abort was seen to wait for ever here, with the graph
+    # that holds its kernels still alive; the process ends now and takes both with it
+    os._exit(0)
+
+
+def collective_seconds(size: int, batch: int, hidden: int, num_layers: int, vocab: int, dtype: torch.dtype) -> dict:
+    """The collectives of one decode step of `batch` rows at `size` ranks (GPUs 0..size-1), timed alone: the
+    embedding's all-reduce and two per layer of [batch, hidden] replayed in one CUDA graph (as the decode graphs
+    hold them), and the logits' all-gather of [batch, vocab / size] (eager, as the engine runs it). Run it while
+    no engine holds those GPUs."""
+    store = host_store(size)
+    context = torch.multiprocessing.get_context("spawn")
+    results = context.SimpleQueue()
+    count = 2 * num_layers + 1
+    procs = [context.Process(target=_collective_rank, args=(r, size, store.port, (batch, hidden),
+                                                            -(-vocab // size), count, dtype, results))
+             for r in range(size)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join()
+    if any(proc.exitcode for proc in procs):
+        raise RuntimeError(f"timing the collectives of {size} ranks failed: exit codes "
+                           f"{[proc.exitcode for proc in procs]}")
+    reduce_s, gather_s = results.get()
+    return {"all_reduces": count, "all_reduce_s": reduce_s, "all_gather_s": gather_s,
+            "collective_s": reduce_s + gather_s}
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -3,14 +3,16 @@
 One LoRA engine serves a steady decode load: --hot-requests requests of one resident adapter, all at t=0,
 --hot-output tokens each (they must outlast the arrival window, or the run stops with an error). Once they all decode, a new request arrives every --interval steps, each naming
 another adapter; the hot requests' inter-token latencies (ITL) are recorded over the arrival window. The
-window runs twice on the same engine with the same arrivals:
+window runs twice on the same engine:
 
-- warm: the new requests' adapters are already registered and resident in the GPU pool;
-- cold: they are PEFT folders under the engine's --lora-root, never seen before. As the server does, each
-  folder is read, validated and packed (`load_lora_weights`, called on a worker thread) while the engine keeps
-  stepping: by the engine's adapter reader, a reader process on CUDA (`--lora-reader thread`: the worker thread
-  itself, in the engine's process); the request is added when its adapter is read, and its weights are copied
-  into the pool ahead of its step.
+- cold (first): the new adapters are PEFT folders under the engine's --lora-root, never seen before. As the
+  server does, each folder is read, validated and packed (`load_lora_weights`, called on a worker thread) while
+  the engine keeps stepping: by the engine's adapter reader, a reader process on CUDA (`--lora-reader thread`:
+  the worker thread itself, in the engine's process); the request is added when its adapter is read, and its
+  weights are copied into the pool ahead of its step.
+- warm: the same requests added at the same steps as the cold run added them, their adapters already
+  registered and resident in the GPU pool. Both windows then hold the same steps (the same prefills at the
+  same places), so their ITL percentiles differ only by what the cold path costs.
 
 The cold/warm ratio of the hot requests' ITL p99 is the cost of cold starts (target: at most 1.10). The
 adapters are random (rank --rank on all seven projections) and written to a temporary folder first.
@@ -85,9 +87,11 @@ def hot_itls(stamps: dict[str, list[float]], start: float, end: float) -> list[f
     return [b - a for times in stamps.values() for a, b in zip(times, times[1:]) if start <= b < end]
 
 
-def run_window(engine, args, variant: str, root: str, rng) -> dict:
-    """Start the hot load, wait until it decodes, then add one new request every --interval steps (adapters
-    c-<variant>-<j>: resident beforehand when warm, read from the root on a worker thread when cold)."""
+def run_window(engine, args, variant: str, root: str, rng, schedule: list[int] | None = None) -> dict:
+    """Start the hot load, wait until it decodes, then bring in the new requests (adapters <variant>-<j>):
+    cold, one adapter read every --interval steps on a worker thread, its request added once it is read;
+    warm, request j added `schedule[j]` steps into the window (the cold run's "added_at"), its adapter
+    resident beforehand."""
     params_hot = SamplingParams(max_tokens=args.hot_output, ignore_eos=True, temperature=0.0)
     params_new = SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
     vocab = engine.hf_config.vocab_size
@@ -101,7 +105,7 @@ def run_window(engine, args, variant: str, root: str, rng) -> dict:
         engine.lora_manager.prepare(set(names), engine.scheduler.running_loras())
     reader = ThreadPoolExecutor(max_workers=1)
     reads: list[tuple[str, Future]] = []
-    read_seconds = []
+    read_seconds, added_at = [], []  # added_at[j]: steps into the window when request j was added
     step_stamps = []
     step, next_new, window = 0, 0, [None, None]
     start = time.perf_counter()
@@ -109,20 +113,24 @@ def run_window(engine, args, variant: str, root: str, rng) -> dict:
         decoding = all(stamps for stamps in hot.values())
         if decoding and window[0] is None:
             window[0], first_new_step = time.perf_counter() - start, step + args.interval
-        if window[0] is not None and next_new < len(names) and step == first_new_step + next_new * args.interval:
-            request = LoRARequest(names[next_new], os.path.join(root, names[next_new]))
-            if variant == "cold":  # as the server does: the files are read off the engine thread
-                reads.append((names[next_new], reader.submit(engine.load_lora_weights, request)))
-            else:
+        if variant == "cold":
+            if window[0] is not None and next_new < len(names) and step == first_new_step + next_new * args.interval:
+                request = LoRARequest(names[next_new], os.path.join(root, names[next_new]))
+                reads.append((names[next_new], reader.submit(engine.load_lora_weights, request)))  # off the
+                next_new += 1                                                                  # engine thread
+        else:
+            while window[0] is not None and next_new < len(names) and step == first_new_step + schedule[next_new]:
                 engine.add_request(f"new-{names[next_new]}", rng.integers(0, vocab, args.prompt_len).tolist(),
-                                   params_new, request)
-            next_new += 1
+                                   params_new, LoRARequest(names[next_new]))
+                added_at.append(step - first_new_step)
+                next_new += 1
         for name, future in [r for r in reads if r[1].done()]:
             reads.remove((name, future))
             read_seconds.append(future.result().seconds)
             engine.add_lora(LoRARequest(name, os.path.join(root, name)), loaded=future.result())
             engine.add_request(f"new-{name}", rng.integers(0, vocab, args.prompt_len).tolist(), params_new,
                                LoRARequest(name))
+            added_at.append(step - first_new_step)
         if not engine.has_unfinished_requests():  # only reads in flight: wait for them
             time.sleep(0.001)
             continue
@@ -143,7 +151,7 @@ def run_window(engine, args, variant: str, root: str, rng) -> dict:
         raise SystemExit(f"{variant}: the hot requests ended before the arrival window did; raise --hot-output")
     itls = hot_itls(hot, window[0], window[1])
     return {"variant": variant, "window_s": [window[0], window[1]], "hot_itl_s": bc.percentiles(itls),
-            "hot_itls_in_window": len(itls), "steps": step,
+            "hot_itls_in_window": len(itls), "steps": step, "added_at": added_at,
             "read_s": bc.percentiles(read_seconds) if read_seconds else None}
 
 
@@ -179,8 +187,8 @@ def main(argv=None) -> int:
                 write_peft_folder(os.path.join(root, f"{variant}-{j}"), made[j % len(made)], args.rank)
         engine.lora_manager.register_adapter("hot", made[0])
         warm_up(engine, args, made[1], os.path.join(root, "warm-0"), rng)
-        for variant in ("warm", "cold"):
-            report["runs"][variant] = run_window(engine, args, variant, root, rng)
+        report["runs"]["cold"] = run_window(engine, args, "cold", root, rng)
+        report["runs"]["warm"] = run_window(engine, args, "warm", root, rng, report["runs"]["cold"]["added_at"])
     report["lora_reader"] = type(engine.lora_manager.reader).__name__
     engine.shutdown()
     warm, cold = (report["runs"][v]["hot_itl_s"] for v in ("warm", "cold"))

@@ -11,12 +11,17 @@ graph ITL <= 1.15x the byte floor); writes decode.json and decode.png to --out.
 
 With --tensor-parallel-size 1,2 (a list) each mode runs once per size, one
 engine at a time; the byte floor is then one rank's (its part of the weights
-and of the KV cache), and the check is the tensor-parallel one: batch-1 graph
-ITL at N ranks <= 0.6x (N = 2) of one rank's.
+and of the KV cache). Before the engines start, the collectives of one batch-1
+decode step at N ranks are timed alone (bench_common.collective_seconds: the
+all-reduces in a CUDA graph, the logits' all-gather). The tensor-parallel
+checks: batch-1 graph ITL at 2 ranks <= 0.6x one rank's, and at N ranks <= 1.3x
+(its rank's byte floor + those collectives' time).
 
     python benchmarks/decode.py [--model synthetic:llama-3-8b] [--quick] [--out DIR]
     python benchmarks/decode.py --model synthetic:tiny --device cpu --quick --out /tmp/b
     python benchmarks/decode.py --tensor-parallel-size 1,2 --batch-sizes 1,8 --contexts 512 --modes graphs
+    python benchmarks/decode.py --model synthetic:llama-3-70b --tensor-parallel-size 4 --batch-sizes 1,32 \
+        --contexts 512 --modes graphs
 """
 from __future__ import annotations
 
@@ -32,8 +37,9 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import bench_common as bc  # noqa: E402
-from loraserve.config import EngineArgs  # noqa: E402
+from loraserve.config import EngineArgs, resolve_dtype  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
+from loraserve.models.loader import open_model  # noqa: E402
 
 BATCH_SIZES, CONTEXTS = (1, 2, 4, 8, 16, 32, 64, 128, 256), (128, 1024, 4096)
 QUICK_BATCH_SIZES, QUICK_CONTEXTS = (1, 4, 16), (128, 512)
@@ -91,11 +97,13 @@ def measured(rows, mode, batch, ctx, tp: int = 1) -> dict | None:
 
 FLOOR_TARGET = 1.15  # base decode ITL at batch 1 (CUDA graphs) <= this times the byte floor
 TP_TARGETS = {2: 0.6}  # batch-1 graph ITL at N ranks <= this times one rank's (synthetic Llama-3-8B)
+TP_FLOOR_TARGET = 1.3  # batch-1 graph ITL at N ranks <= this times (its rank's byte floor + the step's collectives)
 
 
-def make_checks(rows: list[dict], contexts: list[int], sizes: list[int]) -> list[bc.Check]:
+def make_checks(rows: list[dict], contexts: list[int], sizes: list[int], collectives: dict) -> list[bc.Check]:
     """The targets: one rank's graph ITL at batch 1, shortest context, against the byte floor; at N ranks,
-    that ITL against one rank's."""
+    that ITL against one rank's and against its rank's byte floor plus the collectives' time (`collectives`:
+    N -> collective_seconds at batch 1)."""
     ctx = min(contexts)
     checks = []
     g1 = measured(rows, "graphs", 1, ctx)
@@ -111,6 +119,14 @@ def make_checks(rows: list[dict], contexts: list[int], sizes: list[int]) -> list
         if tp == 1:
             continue
         gn = measured(rows, "graphs", 1, ctx, tp)
+        name = f"batch-1 ctx-{ctx} graph ITL, {tp} ranks / (rank byte floor + collectives)"
+        if gn is None:
+            checks.append(bc.Check(name, "not measured", f"<= {TP_FLOOR_TARGET}", None))
+        else:
+            bound = gn["floor_s"] + collectives[tp]["collective_s"]
+            checks.append(bc.Check(name, f"{gn['itl_s'] / bound:.3f} ({1e3 * gn['itl_s']:.2f} ms vs "
+                                         f"{1e3 * gn['floor_s']:.2f} + {1e3 * collectives[tp]['collective_s']:.2f} ms)",
+                                   f"<= {TP_FLOOR_TARGET}", gn["itl_s"] / bound <= TP_FLOOR_TARGET))
         name, target = f"batch-1 ctx-{ctx} graph ITL, {tp} ranks / 1 rank", TP_TARGETS.get(tp)
         if gn is None or g1 is None:
             checks.append(bc.Check(name, "not measured", f"<= {target}" if target else "-", None))
@@ -174,9 +190,17 @@ def main(argv=None) -> int:
         args.modes = [m for m in args.modes if m != "graphs"] or ["eager"]
     bandwidth = bc.measure_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {device}")
-    engines, rows, checks = {}, [], []
+    engines, rows, checks, collectives = {}, [], [], {}
+    config = open_model(args.model).hf_config
+    for tp in [t for t in args.tensor_parallel_size if t > 1]:
+        collectives[tp] = bc.collective_seconds(tp, 1, config.hidden_size, config.num_hidden_layers,
+                                                config.vocab_size, resolve_dtype(args.dtype, device))
+        print(f"collectives of a batch-1 step at {tp} ranks: {collectives[tp]['all_reduces']} all-reduces "
+              f"{1e3 * collectives[tp]['all_reduce_s']:.3f} ms, logits all-gather "
+              f"{1e3 * collectives[tp]['all_gather_s']:.3f} ms")
     report = {"benchmark": "decode", "args": vars(args), "env": bc.environment(device),
-              "bandwidth_bytes_per_s": bandwidth, "engines": engines, "results": rows, "checks": checks}
+              "bandwidth_bytes_per_s": bandwidth, "collectives": collectives, "engines": engines, "results": rows,
+              "checks": checks}
     for tp in args.tensor_parallel_size:
         for mode in args.modes:
             key = mode if args.tensor_parallel_size == [1] else f"{mode} tp={tp}"
@@ -185,7 +209,7 @@ def main(argv=None) -> int:
             bc.release_memory()
             bc.write_json(args.out, "decode.json", report)  # partial results survive a later failure
     print_results(rows, engines, args)
-    checks += make_checks(rows, args.contexts, args.tensor_parallel_size)
+    checks += make_checks(rows, args.contexts, args.tensor_parallel_size, collectives)
     bc.print_checks(checks)
     bc.write_json(args.out, "decode.json", report)
     plot(rows, args)
