@@ -191,8 +191,9 @@ def main(argv=None) -> int:
     bandwidth = bc.measure_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s on {device}")
     engines, rows, checks, collectives = {}, [], [], {}
-    config = open_model(args.model).hf_config
-    for tp in [t for t in args.tensor_parallel_size if t > 1]:
+    several = [t for t in args.tensor_parallel_size if t > 1]
+    config = open_model(args.model).hf_config if several else None  # read only to size the collectives
+    for tp in several:
         collectives[tp] = bc.collective_seconds(tp, 1, config.hidden_size, config.num_hidden_layers,
                                                 config.vocab_size, resolve_dtype(args.dtype, device))
         print(f"collectives of a batch-1 step at {tp} ranks: {collectives[tp]['all_reduces']} all-reduces "

@@ -64,13 +64,13 @@ def bf16(request, bf16_model):
 def test_bf16_several_gpus_greedy_equals_one_gpu(bf16):
     """2 and 4 GPUs: 16 greedy tokens equal to one GPU's on >= 90 % of 32 prompts, without adapters and with
     the 8 adapters mixed in one batch."""
-    folder, adapters, one, two = bf16
+    folder, adapters, one, several = bf16
     vocab = one.engine.hf_config.vocab_size
     prompts = [{"prompt_token_ids": p} for p in _prompts(32, vocab, seed=1)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     for requests in (None, _rows(32, adapters)):
         a = one.generate(prompts, params, lora_request=requests, use_tqdm=False)
-        b = two.generate(prompts, params, lora_request=requests, use_tqdm=False)
+        b = several.generate(prompts, params, lora_request=requests, use_tqdm=False)
         same = sum(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(a, b)) / len(prompts)
         assert same >= 0.9, f"{'with' if requests else 'without'} adapters: {same:.0%} of rows equal"
 
@@ -78,18 +78,18 @@ def test_bf16_several_gpus_greedy_equals_one_gpu(bf16):
 def test_graphs_with_collectives_equal_eager_in_every_bucket(bf16):
     """Every bucket was captured and passed the start-up check on every rank; a batch of each bucket's size,
     adapters mixed, gives eager's tokens and logprobs (within bf16 rounding)."""
-    folder, adapters, _, two = bf16
-    graphs = two.engine.runner.graph_runner
+    folder, adapters, _, several = bf16
+    graphs = several.engine.runner.graph_runner
     assert graphs is not None and sorted(graphs.graphs) == graphs.buckets
-    eager = LLM(folder, dtype="bfloat16", tensor_parallel_size=two.engine.config.parallel.tensor_parallel_size,
+    eager = LLM(folder, dtype="bfloat16", tensor_parallel_size=several.engine.config.parallel.tensor_parallel_size,
                 enforce_eager=True, **ENGINE)
     try:
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=3)
-        vocab = two.engine.hf_config.vocab_size
+        vocab = several.engine.hf_config.vocab_size
         for batch in graphs.buckets:
             prompts = [{"prompt_token_ids": p} for p in _prompts(batch, vocab, seed=100 + batch)]
             requests = _rows(batch, adapters)
-            g = two.generate(prompts, params, lora_request=requests, use_tqdm=False)
+            g = several.generate(prompts, params, lora_request=requests, use_tqdm=False)
             e = eager.generate(prompts, params, lora_request=requests, use_tqdm=False)
             for go, eo in zip(g, e):
                 assert go.outputs[0].token_ids == eo.outputs[0].token_ids, f"bucket {batch}"
