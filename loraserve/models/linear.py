@@ -29,6 +29,13 @@ from torch import nn
 from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.kernels.lora_expand import LoRAFactors
 
+# A row-parallel layer in a step of up to this many tokens sums its ranks' partial outputs in float32 (each
+# rank's GEMM writes its partial sum in fp32, the all-reduce adds them, and the total is rounded once, as one
+# GPU's GEMM rounds its whole sum once): rounding each partial to bf16 first was seen to change greedy tokens
+# at 4 ranks. At these sizes the all-reduce is latency-bound, so twice its bytes cost little; larger
+# (prefill) steps, where it is bandwidth-bound, sum in the model's dtype.
+FP32_REDUCE_MAX_TOKENS = 512
+
 
 class LinearOutput(NamedTuple):
     """A linear layer's output `y`, and `delta`: a LoRA product of the same rows not yet added to y.
@@ -234,8 +241,21 @@ class RowParallelLinear(LinearBase):
         # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum)
         if not self.tp.is_parallel:
             return LinearOutput(F.linear(x, self.weight, self.bias), None)
-        y = F.linear(x, self.weight)
-        self.tp.all_reduce(y)
+        if x.dtype == torch.float32 or x.shape[0] > FP32_REDUCE_MAX_TOKENS:
+            y = F.linear(x, self.weight)
+            self.tp.all_reduce(y)
+        else:
+            y = fp32_product(x, self.weight)  # [T, out] float32
+            self.tp.all_reduce(y)
+            y = y.to(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return LinearOutput(y, None)
+
+
+def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T with fp32 output, unrounded: x [T, in], weight [out, in] (bf16/fp16) -> [T, out] float32.
+    CUDA computes it in one GEMM with an fp32 output; the CPU has no such kernel and upcasts both."""
+    if x.is_cuda:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
