@@ -17,6 +17,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [S+1] int32: first query row of each sequence
     max_query_len: int
     is_decode: bool  # every sequence has exactly one new token (T == S)
+    # the leading sequences with one new token each (rows 0..D-1): in a step that also prefills, the decode
+    # kernel serves them and the prefill kernel the rest
+    num_decode_rows: int = 0
 
 
 @dataclass

@@ -406,3 +406,32 @@ def paged_prefill_attention(
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, DOT_PRECISION=_dot_precision(q.dtype), **scores,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def paged_step_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D]
+    block_tables: torch.Tensor,  # [S, MB] int32
+    seq_lens: torch.Tensor,  # [S] int32
+    query_start_loc: torch.Tensor,  # [S+1] int32
+    max_query_len: int,
+    num_decode_rows: int,  # the first D sequences have one query each (rows 0..D-1)
+    scale: float,
+    out: torch.Tensor,  # [T, H, D]
+    configs: tuple[DecodeConfig, PrefillConfig] | None = None,  # None: default_configs(D)
+    window: int | None = None,
+    softcap: float | None = None,
+) -> None:
+    """The attention of a step that mixes decode rows with prompt chunks: its first `num_decode_rows` sequences
+    by the decode kernel, which reads each KV head once for the query heads that share it and splits long
+    contexts over programs (the prefill kernel, one program per query head and tile, would read the context
+    of a one-query row GROUP times over, in one program), the others by the prefill kernel."""
+    decode_config, prefill_config = configs or default_configs(q.shape[2])
+    d = num_decode_rows
+    if d:
+        paged_decode_attention(q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], scale, out[:d],
+                               decode_config, window, softcap)
+    if d < seq_lens.shape[0]:  # query_start_loc[d:] still points at the chunks' rows of q
+        paged_prefill_attention(q, k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:],
+                                max_query_len, scale, out, prefill_config, window, softcap)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from loraserve.forward_context import AttentionMetadata
-from loraserve.kernels.attention import default_configs, paged_decode_attention, paged_prefill_attention
+from loraserve.kernels.attention import default_configs, paged_decode_attention, paged_step_attention
 from loraserve.kernels.attention_reference import paged_attention_ref
 from loraserve.kernels.fused_reference import QKNorm
 from loraserve.models.layers import RotaryEmbedding
@@ -13,7 +13,8 @@ from loraserve.models.ops import rotary_and_cache
 
 
 class PagedAttention(nn.Module):
-    """Causal attention over a paged KV cache: Triton kernels on CUDA, torch on the CPU.
+    """Causal attention over a paged KV cache: Triton kernels on CUDA (a step with prompt chunks:
+    paged_step_attention), torch on the CPU.
 
     Per layer: the scores' `scale` (default head_dim^-0.5), a sliding `window` (the query at position p sees
     keys p - window < k <= p; None: full attention) and a `softcap` of the scores (None: none). With a window
@@ -49,9 +50,9 @@ class PagedAttention(nn.Module):
                 paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                        self.scale, out, self.decode_config, self.window, self.softcap)
             else:
-                paged_prefill_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                        meta.query_start_loc, meta.max_query_len, self.scale, out,
-                                        self.prefill_config, self.window, self.softcap)
+                paged_step_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, meta.max_query_len, meta.num_decode_rows, self.scale, out,
+                                     (self.decode_config, self.prefill_config), self.window, self.softcap)
         else:
             out = paged_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, self.scale, self.window, self.softcap)

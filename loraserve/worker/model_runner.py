@@ -180,7 +180,7 @@ class ModelRunner:
         attn = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
-            max_query_len=inputs.max_query_len, is_decode=inputs.is_decode)
+            max_query_len=inputs.max_query_len, is_decode=inputs.is_decode, num_decode_rows=inputs.num_decode_rows)
         lora = None
         if self.lora is not None and (inputs.token_adapters >= 0).any():
             lora = self.lora.for_step(inputs.token_adapters)

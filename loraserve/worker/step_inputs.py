@@ -39,6 +39,12 @@ class StepInputs:
         return self.max_query_len == 1
 
     @property
+    def num_decode_rows(self) -> int:
+        """How many leading sequences have one new token each (their tokens are rows 0..D-1)."""
+        longer = np.flatnonzero(np.diff(self.query_start_loc) != 1)
+        return int(longer[0]) if longer.size else self.query_start_loc.shape[0] - 1
+
+    @property
     def has_pending_tokens(self) -> bool:
         """Whether some input token is still on the device (sampled by the step in flight)."""
         return bool((self.input_ids == PENDING_TOKEN).any())

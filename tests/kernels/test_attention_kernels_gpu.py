@@ -7,7 +7,7 @@ occupies, so a kernel that reads past a sequence's end produces NaN.
 import pytest
 import torch
 
-from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention
+from loraserve.kernels.attention import paged_decode_attention, paged_prefill_attention, paged_step_attention
 from loraserve.kernels.attention_reference import paged_attention_ref
 
 pytestmark = pytest.mark.gpu
@@ -149,4 +149,29 @@ def test_prefill_matches_reference(dtype, head_dim, num_heads, num_kv_heads):
     scale = head_dim**-0.5
     paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, qsl, max(q_lens), scale, out)
     want = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale)
+    torch.testing.assert_close(out, want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window,softcap", [(None, None), (300, 30.0)])
+@pytest.mark.parametrize("num_decode_rows", [0, 5, 7])
+def test_step_attention_with_decode_rows_matches_reference(dtype, window, softcap, num_decode_rows):
+    """A mixed step: the first num_decode_rows sequences decode (one query each, contexts up to 3,000), then
+    prompt chunks; the decode rows by the decode kernel, the chunks by the prefill kernel, every row as the
+    reference (7: no chunk at all)."""
+    decode = [(n, 1) for n in (3000, 1, 17, 700, 1024, 64, 2048)][:num_decode_rows]
+    chunks = [(1000, 1000), (2048, 37), (129, 129), (4096, 300)] if num_decode_rows < 7 else []
+    cases = decode + chunks
+    lens, q_lens = [n for n, _ in cases], [m for _, m in cases]
+    num_heads, num_kv_heads, head_dim = 32, 8, 128
+    gen, k_cache, v_cache, tables = setup(lens, num_heads, num_kv_heads, head_dim, dtype, 4096 // BLOCK_SIZE + 3,
+                                          seed=num_decode_rows)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(device="cuda", dtype=dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(device="cuda", dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_step_attention(q, k_cache, v_cache, tables, seq_lens, qsl, max(q_lens), num_decode_rows, scale, out,
+                         window=window, softcap=softcap)
+    want = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, qsl, scale, window, softcap)
     torch.testing.assert_close(out, want, atol=TOL[dtype], rtol=TOL[dtype])

@@ -1,7 +1,9 @@
 """Step inputs on the host: the one preparation path against a per-token loop, and the graphs' padding rule."""
+import dataclasses
 import random
 
 import numpy as np
+import pytest
 
 from loraserve.sampling_params import SamplingParams
 from loraserve.sequence import PENDING_TOKEN, ScheduledSequence, Sequence
@@ -87,3 +89,10 @@ def test_padding_points_every_padding_row_at_the_dummy_block():
     assert padded.query_start_loc.tolist() == list(range(9)) and padded.logits_rows.tolist() == list(range(n))
     empty = StepInputs.empty_decode().padded(4, 3, dummy, BLOCK)
     assert (empty.block_tables == dummy).all() and (empty.token_adapters == -1).all()
+
+
+@pytest.mark.parametrize("query_lens,want", [([1, 1, 1], 3), ([1, 1, 5, 1], 2), ([4, 1, 1], 0), ([1], 1), ([], 0)])
+def test_num_decode_rows_counts_the_leading_one_token_sequences(query_lens, want):
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    inputs = dataclasses.replace(StepInputs.empty_decode(), query_start_loc=qsl)
+    assert inputs.num_decode_rows == want
