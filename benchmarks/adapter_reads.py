@@ -128,7 +128,7 @@ def main(argv=None) -> int:
             folders.append(os.path.join(root, f"w{i}"))
             write_peft_folder(folders[-1], adapter, args.rank)
             del adapter
-        readers = {"thread": ThreadReader(setup, pin=False), "process": ProcessReader(setup, pin=False)}
+        readers = {"thread": ThreadReader(setup, None), "process": ProcessReader(setup, None)}
         for reader in readers.values():  # the reader process started, and the files in the page cache
             megabytes = [reader.read("warm", folder).packed.nbytes / 2**20 for folder in folders][0]
         times = {phase: ([], []) for phase in PHASES}  # phase -> (step seconds, read seconds)

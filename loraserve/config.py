@@ -114,7 +114,7 @@ class LoRAConfig:
     max_loras: int = 256  # distinct adapters in one step
     max_lora_rank: int = 64
     lora_gpu_memory: float | None = None  # GiB of GPU adapter pool; None: a share of the memory after the weights
-    max_cpu_lora_memory: float = 8.0  # GiB of adapters cached in host memory (pinned on CUDA)
+    max_cpu_lora_memory: float = 8.0  # GiB of adapters cached in host memory (on CUDA pinned at start-up)
     max_cpu_loras: int | None = None  # and at most this many of them (vLLM's flag); None: the bytes alone decide
     max_wait_steps: int = 32  # steps a request waits for its adapter before room is made for it
     lora_root: str | None = None  # a folder of adapters served by name on first request

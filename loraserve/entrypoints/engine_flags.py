@@ -63,7 +63,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(default: 22%% of the memory the KV cache could take, and what it could never use, "
                              "up to room for max-loras adapters of max-lora-rank)")
     parser.add_argument("--max-cpu-lora-memory", type=float, default=_DEFAULTS.max_cpu_lora_memory,
-                        help="GiB of host memory caching adapters, least recently used out")
+                        help="GiB of host memory caching adapters, least recently used out (on CUDA pinned once, at "
+                             "start-up)")
     parser.add_argument("--max-cpu-loras", type=int, default=_DEFAULTS.max_cpu_loras,
                         help="most adapters cached in host memory (default: as many as fit in the bytes)")
     parser.add_argument("--lora-reader", choices=("auto", "process", "thread"), default=_DEFAULTS.lora_reader,

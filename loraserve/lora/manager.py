@@ -2,7 +2,8 @@
 
 - registry: name -> source (a PEFT folder, or an adapter object given in memory); registering validates
   the adapter at once and records its rank (so the scheduler knows its pages before it is loaded).
-- host cache: adapters packed in page layout (pinned on CUDA), least recently used out when their bytes
+- host cache: adapters packed in page layout (on CUDA in the runtime's host arena, pinned once at start-up:
+  lora/host_arena.py), least recently used out when their bytes
   exceed max_cpu_lora_memory (or their number max_cpu_loras). Folder adapters are read again when needed;
   in-memory ones are packed again from their object. Pinned adapters stay.
 - GPU pool (lora/pool.py): an adapter a step needs is loaded into free pages, evicting the least recently
@@ -91,7 +92,7 @@ class LoRAManager:
         reader_kind = "thread" if runtime.tp.is_parallel else self.config.lora_reader
         self._reader = make_reader(reader_kind,
                                    ReaderSetup(runtime.spec, self.config.max_lora_rank, runtime.packer),
-                                   runtime.pins_host_memory)
+                                   runtime.host)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
         self.num_loads = 0  # adapters read from disk (or packed) since start
         self.num_gpu_loads = 0
@@ -297,6 +298,7 @@ class LoRAManager:
         packed = self._cpu.pop(name, None)
         if packed is not None:
             self._cpu_bytes -= packed.nbytes
+            self.runtime.release_host(packed)
         if name in self._gpu:
             self._evict(name)
 
@@ -346,6 +348,7 @@ class LoRAManager:
         old = self._cpu.pop(name, None)
         if old is not None:
             self._cpu_bytes -= old.nbytes
+            self.runtime.release_host(old)
         self._cpu[name] = packed
         self._cpu_bytes += packed.nbytes
         budget = self.config.max_cpu_lora_memory * 2**30
@@ -354,7 +357,9 @@ class LoRAManager:
             victim = next((n for n in self._cpu if n not in self._pinned and n != name), None)
             if victim is None:
                 break
-            self._cpu_bytes -= self._cpu.pop(victim).nbytes
+            dropped = self._cpu.pop(victim)
+            self._cpu_bytes -= dropped.nbytes
+            self.runtime.release_host(dropped)
 
     def _cpu_adapter(self, name: str) -> PackedAdapter:
         packed = self._cpu.get(name)

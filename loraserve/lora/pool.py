@@ -89,12 +89,13 @@ class PackedAdapter:
     """An adapter in page layout in host memory, ready to copy: the span [span_start, span_start + width)
     of each of its pages (what its targeted layers use; zeros where it has no weights)."""
 
-    data: torch.Tensor  # [pages, width], pinned on CUDA
+    data: torch.Tensor  # [pages, width], in the pinned host arena on CUDA (lora/host_arena.py)
     span_start: int
     ranks: torch.Tensor  # [layers] int32: its rank in each LoRA layer (0: not targeted)
     # tensor parallel: the other ranks' parts in the same layout, [ranks - 1, pages, width] in shared memory
     # (lora.runtime.LoRARuntime.pack makes them on rank 0); None with one rank
     peer_data: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None  # marks the last copy from data to the GPU done (None: none in flight)
 
     @property
     def num_pages(self) -> int:
@@ -137,17 +138,17 @@ class AdapterPacker:
         """(pages, width) of the adapter's packed data."""
         return self._plan(self.layer_weights(adapter))[-1]
 
-    def pack(self, adapter: LoRAAdapter, data: torch.Tensor | None = None, pin: bool = False) -> PackedAdapter:
+    def pack(self, adapter: LoRAAdapter, data: torch.Tensor | None = None) -> PackedAdapter:
         """The adapter in page layout, written into `data` (zeros of self.dtype, shape_of(adapter)) when given,
-        else into new host memory (pinned with `pin`). Weights are cast to self.dtype as they are copied."""
-        return self.pack_layers(self.layer_weights(adapter), data, pin)
+        else into new host memory. Weights are cast to self.dtype as they are copied."""
+        return self.pack_layers(self.layer_weights(adapter), data)
 
     def pack_layers(self, weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]],
-                    data: torch.Tensor | None = None, pin: bool = False) -> PackedAdapter:
+                    data: torch.Tensor | None = None) -> PackedAdapter:
         """`pack` of weights given per layer and slice (layer_weights' form), e.g. one tensor-parallel rank's part."""
         targeted, ranks, start, shape = self._plan(weights)
         if data is None:
-            data = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)  # [pages, width]
+            data = torch.zeros(shape, dtype=self.dtype)  # [pages, width]
         elif tuple(data.shape) != shape or data.dtype != self.dtype:
             raise ValueError(f"packing needs a {shape} {self.dtype} buffer, got {tuple(data.shape)} {data.dtype}")
         regions = self.layout.regions
@@ -171,7 +172,7 @@ class AdapterPacker:
                 if rest:
                     a_pages[full, s, :rest] = a[full * PAGE_RANK:]
                     b_pages[full, :rest, lo:hi] = b[:, full * PAGE_RANK:].T
-        return PackedAdapter(data, start, ranks.pin_memory() if pin else ranks)
+        return PackedAdapter(data, start, ranks)
 
 
 class AdapterPool:
@@ -187,6 +188,9 @@ class AdapterPool:
         self.storage = torch.zeros(num_pages, layout.page_elems, dtype=dtype, device=device)  # [P, page elements]
         self.page_table = torch.zeros(num_pages, self.max_pages, dtype=torch.int32, device=device)  # [A, pages]
         self.ranks = torch.zeros(len(layout.regions), num_pages, dtype=torch.int32, device=device)  # [layers, A]
+        # each id's page-table row staged in pinned memory, so that its copy overlaps the steps too
+        self._table_rows = torch.zeros(num_pages, self.max_pages, dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")  # [A, pages]
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._free_ids = list(range(num_pages - 1, -1, -1))
         self._pages_of: dict[int, list[int]] = {}  # adapter id -> its pages
@@ -228,14 +232,18 @@ class AdapterPool:
     def write_at(self, adapter_id: int, pages: list[int], packed: PackedAdapter) -> None:
         """Copy a packed adapter into `pages` and its rows of the page and rank tables under `adapter_id` (on the
         current stream; the host buffers must stay alive until the copy is done). The pages and id come from
-        `allocate`, or on another rank of a tensor-parallel group from rank 0's pool."""
+        `allocate`, or on another rank of a tensor-parallel group from rank 0's pool. From pinned host memory
+        the copies return at once; from ordinary memory each waits for the ones before it on the stream.
+        (An id's staged row is rewritten only when the id is given again; a copy of its old row still in
+        flight then writes the new row: the id's new pages, which is right.)"""
         if len(pages) != packed.num_pages:
             raise ValueError(f"adapter id {adapter_id} holds {len(pages)} pages, the adapter needs {packed.num_pages}")
         end = packed.span_start + packed.data.shape[1]
         for p, page in enumerate(pages):
             self.storage[page, packed.span_start:end].copy_(packed.data[p], non_blocking=True)
-        table_row = torch.tensor(pages, dtype=torch.int32)
-        self.page_table[adapter_id, :len(pages)].copy_(table_row)
+        table_row = self._table_rows[adapter_id, :len(pages)]
+        table_row.copy_(torch.tensor(pages, dtype=torch.int32))
+        self.page_table[adapter_id, :len(pages)].copy_(table_row, non_blocking=True)
         self.ranks[:, adapter_id].copy_(packed.ranks, non_blocking=True)
 
     def release(self, adapter_id: int) -> None:

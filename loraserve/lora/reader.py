@@ -7,9 +7,9 @@ Two readers do that, with the same results and the same errors:
 - ThreadReader: the calling thread does it all. Most of that work is Python holding the interpreter lock
   (hundreds of tensors to check and place), which the engine thread then waits for between its own calls.
 - ProcessReader: a reader process does it. It packs into an anonymous shared-memory file (memfd) and hands the
-  file's descriptor back over a socket; this process maps it and, where adapters are pinned (CUDA), copies it
-  into pinned memory in one bulk copy (the interpreter lock is free meanwhile); the copy to the GPU stays with
-  the caller. A LoRAAdapterError comes back as the same error, and the reader's log records are logged here.
+  file's descriptor back over a socket; this process maps it and, where there is a pinned host arena (CUDA:
+  lora/host_arena.py), copies it there in one bulk copy (the interpreter lock is free meanwhile); the copy to
+  the GPU stays with the caller. A LoRAAdapterError comes back as the same error, and the reader's log records are logged here.
 
 The reader process is a plain `python -c` child of this interpreter, never multiprocessing's spawn (which would
 import the user's main script again). It starts with the ProcessReader (in the background: the first read
@@ -18,7 +18,8 @@ collected, at exit, or when this process dies. A reader process that dies during
 the read tried once more; one that dies again, can't start, or takes longer than READ_TIMEOUT_S fails that read
 with AdapterReaderError (a LoRAAdapterError naming the adapter), and the next read starts a new one.
 
-`make_reader` picks one: "auto" is the process reader where adapters are pinned (CUDA) and the platform has
+Both place what they read in the host arena when they are given one. `make_reader` picks one: "auto" is the
+process reader where there is a host arena (CUDA) and the platform has
 memfd (Linux), else the thread reader (a CPU engine's steps share the cores with the reader either way).
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from multiprocessing.reduction import recv_handle, send_handle
 import torch
 
 from loraserve.lora.adapter import LoRAAdapterError, load_lora_adapter
+from loraserve.lora.host_arena import HostArena
 from loraserve.lora.pool import AdapterPacker, PackedAdapter
 from loraserve.models.lora_spec import LoRAModelSpec
 
@@ -83,13 +85,15 @@ class AdapterReaderError(LoRAAdapterError):
 class ThreadReader:
     """Reads on the calling thread (any thread)."""
 
-    def __init__(self, setup: ReaderSetup, pin: bool):
-        self.setup, self.pin = setup, pin
+    def __init__(self, setup: ReaderSetup, host: HostArena | None):
+        self.setup, self.host = setup, host
 
     def read(self, name: str, path: str) -> LoadedAdapter:
         start = time.perf_counter()
         adapter = load_lora_adapter(name, path, self.setup.spec, self.setup.max_lora_rank)
-        packed = self.setup.packer.pack(adapter, pin=self.pin)
+        packed = self.setup.packer.pack(adapter)
+        if self.host is not None:
+            packed = self.host.hold(packed)
         return LoadedAdapter(packed, adapter.max_rank, time.perf_counter() - start)
 
     def close(self) -> None:
@@ -148,8 +152,8 @@ def _close_all(children: list[_Child]) -> None:
 class ProcessReader:
     """Reads in a reader process (see the module docstring); `read` may be called from any thread."""
 
-    def __init__(self, setup: ReaderSetup, pin: bool):
-        self.setup, self.pin = setup, pin
+    def __init__(self, setup: ReaderSetup, host: HostArena | None):
+        self.setup, self.host = setup, host
         self._lock = threading.Lock()  # one read at a time; held while the reader process works
         self._children: list[_Child] = []  # the live reader process, if any
         self._closed = False
@@ -209,12 +213,11 @@ class ProcessReader:
             fd = recv_handle(child.conn)
         except (EOFError, OSError) as exc:
             raise _ReaderFailed(f"the adapter reader process died sending its pages ({exc})") from None
-        data = _map_shared(fd, shape, self.setup.packer.dtype)
-        ranks = torch.tensor(ranks, dtype=torch.int32)
-        if self.pin:
-            data = torch.empty(shape, dtype=data.dtype, pin_memory=True).copy_(data)  # one bulk copy
-            ranks = ranks.pin_memory()
-        return LoadedAdapter(PackedAdapter(data, span_start, ranks), rank, seconds)
+        packed = PackedAdapter(_map_shared(fd, shape, self.setup.packer.dtype), span_start,
+                               torch.tensor(ranks, dtype=torch.int32))
+        if self.host is not None:
+            packed = self.host.hold(packed)  # one bulk copy
+        return LoadedAdapter(packed, rank, seconds)
 
     @staticmethod
     def _reply(child: _Child, timeout: float, doing: str):
@@ -264,16 +267,16 @@ def _map_shared(fd: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Te
     return torch.frombuffer(mapped, dtype=dtype, count=numel).view(shape)
 
 
-def make_reader(kind: str, setup: ReaderSetup, pin: bool) -> ThreadReader | ProcessReader:
+def make_reader(kind: str, setup: ReaderSetup, host: HostArena | None) -> ThreadReader | ProcessReader:
     """The reader of `kind` (READER_KINDS; see the module docstring for "auto")."""
     if kind not in READER_KINDS:
         raise ValueError(f"lora reader must be one of {', '.join(READER_KINDS)}, got {kind!r}")
     can_fork_reader = hasattr(os, "memfd_create")
     if kind == "process" and not can_fork_reader:
         raise ValueError("the process adapter reader needs memfd_create (Linux); use the thread reader")
-    if kind == "process" or (kind == "auto" and pin and can_fork_reader):
-        return ProcessReader(setup, pin)
-    return ThreadReader(setup, pin)
+    if kind == "process" or (kind == "auto" and host is not None and can_fork_reader):
+        return ProcessReader(setup, host)
+    return ThreadReader(setup, host)
 
 
 # -- the reader process ----------------------------------------------------------------------------------

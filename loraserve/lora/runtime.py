@@ -21,6 +21,7 @@ the same way.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -33,6 +34,7 @@ from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.lora.adapter import LoRAAdapter
+from loraserve.lora.host_arena import HostArena
 from loraserve.lora.layers import FACTORED_LAYERS, GEMM_FIRST_LAYERS, LoRALinear
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.pool import AdapterPacker, AdapterPool, PackedAdapter, PageLayout
@@ -86,8 +88,8 @@ class TensorParallelPacker:
     def __init__(self, packer: AdapterPacker, layers: list[tuple[int, LoRALinear]], tp: ParallelGroup):
         self.packer, self.layers, self.tp = packer, layers, tp
 
-    def pack(self, adapter: LoRAAdapter, pin: bool = False) -> PackedAdapter:
-        packed = self.pack_own(adapter, pin)
+    def pack(self, adapter: LoRAAdapter) -> PackedAdapter:
+        packed = self.pack_own(adapter)
         peers = torch.zeros((self.tp.size - 1, *packed.data.shape), dtype=self.packer.dtype).share_memory_()
         others = [r for r in range(self.tp.size) if r != self.tp.rank]
         for part, r in zip(peers, others):  # part: [pages, width], written in place
@@ -95,9 +97,9 @@ class TensorParallelPacker:
         packed.peer_data = peers  # [ranks - 1, pages, width]
         return packed
 
-    def pack_own(self, adapter: LoRAAdapter, pin: bool = False) -> PackedAdapter:
+    def pack_own(self, adapter: LoRAAdapter) -> PackedAdapter:
         """This rank's part alone (an adapter every rank packs for itself: the graph check's probes)."""
-        return self.packer.pack_layers(self._rank_weights(adapter, self.tp.rank), pin=pin)
+        return self.packer.pack_layers(self._rank_weights(adapter, self.tp.rank))
 
     def _rank_weights(self, adapter: LoRAAdapter, rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
         """Per LoRA layer, per slice: rank `rank`'s part of the adapter's (A, B), or None where it has none."""
@@ -152,6 +154,14 @@ class LoRARuntime:
             self.side = LoRASideStream(torch.cuda.Stream(self.device),
                                        self._allocate_scratch(min(SIDE_STREAM_MAX_TOKENS, max_step_tokens)))
             self._load_stream = torch.cuda.Stream(self.device)
+        # rank 0 packs and caches the adapters on the host (the other ranks copy their parts from shared memory)
+        self.host: HostArena | None = None
+        if self.device.type == "cuda" and tp.rank == 0:
+            start = time.perf_counter()
+            headroom = 2 * self.pool.max_pages * self.pool.page_bytes  # adapters being read, not yet cached
+            self.host = HostArena(int(config.max_cpu_lora_memory * 2**30) + headroom)
+            logger.info("LoRA host cache: %.2f GiB of pinned memory (%.1f s)", self.host.nbytes / 2**30,
+                        time.perf_counter() - start)
 
     def _num_pages(self, layout: PageLayout, kv_room: KVRoom | None) -> int:
         page_bytes = layout.page_elems * torch.empty((), dtype=self.dtype).element_size()
@@ -197,17 +207,20 @@ class LoRARuntime:
 
     # -- the pool -------------------------------------------------------------------------------
     def pack(self, adapter: LoRAAdapter, local_only: bool = False) -> PackedAdapter:
-        """The adapter in page layout in host memory (pinned on CUDA); touches no device state (any thread).
-        With several ranks it also holds the other ranks' parts (`peer_data`), unless local_only (an adapter
-        every rank packs for itself)."""
+        """The adapter in page layout in host memory (the pinned host arena where it has room); touches no device
+        state (any thread). With several ranks it also holds the other ranks' parts (`peer_data`), unless
+        local_only (an adapter every rank packs for itself)."""
         if self.tp.is_parallel and local_only:
-            return self.packer.pack_own(adapter, pin=self.pins_host_memory)
-        return self.packer.pack(adapter, pin=self.pins_host_memory)
+            packed = self.packer.pack_own(adapter)
+        else:
+            packed = self.packer.pack(adapter)
+        return self.host.hold(packed) if self.host is not None else packed
 
-    @property
-    def pins_host_memory(self) -> bool:
-        """Whether adapters' host copies are pinned (CUDA: their copies to the pool overlap the steps)."""
-        return self.device.type == "cuda"
+    def release_host(self, packed: PackedAdapter) -> None:
+        """The host cache dropped `packed`: its arena ranges are reused once its last copy to the pool is done."""
+        if self.host is not None:
+            self.host.give_back(packed.data, packed.copied)
+            self.host.give_back(packed.ranks, packed.copied)
 
     def load(self, packed: PackedAdapter) -> tuple[int, torch.cuda.Event | None]:
         """Copy a packed adapter into free pages (the caller made room); returns its id and, on CUDA, the event
@@ -230,6 +243,7 @@ class LoRARuntime:
             self.pool.write_at(adapter_id, pages, packed)
             done = torch.cuda.Event()
             done.record(self._load_stream)
+        packed.copied = done
         return done
 
     def take_peer_loads(self) -> list[PeerLoad]:

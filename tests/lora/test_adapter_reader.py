@@ -21,6 +21,7 @@ from loraserve.config import EngineArgs
 from loraserve.engine.engine import LLMEngine
 from loraserve.lora import reader as reader_module
 from loraserve.lora.adapter import LoRAAdapterError
+from loraserve.lora.host_arena import HostArena
 from loraserve.lora.pool import AdapterPacker, PageLayout
 from loraserve.lora.reader import AdapterReaderError, ProcessReader, ReaderSetup, ThreadReader, make_reader
 from loraserve.models.lora_spec import LoRAModelSpec
@@ -54,8 +55,8 @@ def spec(base):  # noqa: F811 (the imported fixture)
 def readers(spec):
     """(thread reader, process reader) of the same setup; the process reader is closed at the end."""
     setup = setup_for(spec)
-    process = ProcessReader(setup, pin=False)
-    yield ThreadReader(setup, pin=False), process
+    process = ProcessReader(setup, host=None)
+    yield ThreadReader(setup, host=None), process
     process.close()
 
 
@@ -150,7 +151,7 @@ def test_the_reader_process_logs_its_warnings_here(base, readers, tmp_path, capl
 
 def test_a_dead_reader_process_is_replaced(base, spec, tmp_path):  # noqa: F811
     folder = save_lora(base, tmp_path)
-    reader = ProcessReader(setup_for(spec), pin=False)
+    reader = ProcessReader(setup_for(spec), host=None)
     try:
         first = reader.read("a", folder)
         old = reader._children[0].proc
@@ -166,7 +167,7 @@ def test_a_dead_reader_process_is_replaced(base, spec, tmp_path):  # noqa: F811
 def test_a_reader_process_that_cannot_start_or_hangs_fails_the_read(base, spec, tmp_path, monkeypatch):  # noqa: F811
     folder = save_lora(base, tmp_path)
     monkeypatch.setattr(reader_module.sys, "executable", "/bin/false")  # it exits at once, twice
-    reader = ProcessReader(setup_for(spec), pin=False)
+    reader = ProcessReader(setup_for(spec), host=None)
     with pytest.raises(AdapterReaderError, match=r"LoRA adapter 'a': can't be read: .*exited \(exit code 1\) "
                                                  r"while starting"):
         reader.read("a", folder)
@@ -180,7 +181,7 @@ def test_a_reader_process_that_cannot_start_or_hangs_fails_the_read(base, spec, 
     monkeypatch.setattr(reader_module, "START_TIMEOUT_S", 1.0)
     monkeypatch.setattr(reader_module, "_POLL_S", 0.05)
     setup = setup_for(spec)
-    hanging = ProcessReader(ReaderSetup(Hang(), setup.max_lora_rank, setup.packer), pin=False)
+    hanging = ProcessReader(ReaderSetup(Hang(), setup.max_lora_rank, setup.packer), host=None)
     proc = hanging._children[0].proc
     with pytest.raises(AdapterReaderError, match="took over 1 s starting and was stopped"):
         hanging.read("a", folder)
@@ -190,40 +191,43 @@ def test_a_reader_process_that_cannot_start_or_hangs_fails_the_read(base, spec, 
 
 
 def test_close_and_collection_end_the_reader_process(spec):
-    reader = ProcessReader(setup_for(spec), pin=False)
+    reader = ProcessReader(setup_for(spec), host=None)
     proc = reader._children[0].proc
     reader.close()
     assert proc.poll() is not None
-    dropped = ProcessReader(setup_for(spec), pin=False)
+    dropped = ProcessReader(setup_for(spec), host=None)
     proc = dropped._children[0].proc
     del dropped
     gc.collect()
     assert proc.wait(timeout=5) is not None
 
 
-def test_make_reader_picks_the_process_only_where_adapters_are_pinned(spec):
+def test_make_reader_picks_the_process_only_where_there_is_a_host_arena(spec):
     setup = setup_for(spec)
-    assert isinstance(make_reader("auto", setup, pin=False), ThreadReader)
-    assert isinstance(make_reader("thread", setup, pin=True), ThreadReader)
-    process = make_reader("process", setup, pin=False)
+    assert isinstance(make_reader("auto", setup, host=None), ThreadReader)
+    assert isinstance(make_reader("thread", setup, host=HostArena(2**20, pin=False)), ThreadReader)
+    process = make_reader("process", setup, host=None)
     assert isinstance(process, ProcessReader)
     process.close()
     with pytest.raises(ValueError, match="lora reader must be one of"):
-        make_reader("fork", setup, pin=False)
+        make_reader("fork", setup, host=None)
 
 
 @pytest.mark.gpu
 def test_pinned_reads_on_cuda(base, spec, tmp_path):  # noqa: F811
-    """Where adapters are pinned, the reader process's pages arrive in pinned memory, equal to the thread's."""
+    """With a pinned host arena, the reader process's and the thread's pages arrive in it, equal."""
     folder = save_lora(base, tmp_path, r=16, target_modules=list(MODULES))
     setup = setup_for(spec)
-    process = make_reader("auto", setup, pin=True)
+    host = HostArena(2**24)
+    process = make_reader("auto", setup, host)
     try:
         assert isinstance(process, ProcessReader)
-        got, expected = process.read("a", folder), ThreadReader(setup, pin=True).read("a", folder)
+        got, expected = process.read("a", folder), ThreadReader(setup, host).read("a", folder)
     finally:
         process.close()
-    assert got.packed.data.is_pinned() and got.packed.ranks.is_pinned()
+    for packed in (got.packed, expected.packed):
+        assert packed.data.is_pinned() and packed.ranks.is_pinned()
+        assert packed.data.data_ptr() - host._base in host._owners
     assert torch.equal(got.packed.data, expected.packed.data) and torch.equal(got.packed.ranks, expected.packed.ranks)
 
 
