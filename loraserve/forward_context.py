@@ -20,6 +20,9 @@ class AttentionMetadata:
     # the leading sequences with one new token each (rows 0..D-1): in a step that also prefills, the decode
     # kernel serves them and the prefill kernel the rest
     num_decode_rows: int = 0
+    # set while a graph of a step that prefills is captured (worker/mixed_graphs.py): each attention layer
+    # hands its attention to it, after rotary and the KV write, and uses what it returns
+    split: Any = None
 
 
 @dataclass

@@ -44,16 +44,23 @@ class PagedAttention(nn.Module):
         # qkv_delta: LoRA deltas shaped as q, k, v, or None; qk_norm: per-head norms of q and k before rotary
         q = rotary_and_cache(q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache,
                              meta.slot_mapping, qkv_delta, qk_norm)
+        if meta.split is not None:  # a graph is being captured: the attention runs between two graphs
+            return meta.split(self, q).reshape(q.shape[0], -1)
         if q.is_cuda:
             out = torch.empty_like(q)
-            if meta.is_decode:
-                paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                       self.scale, out, self.decode_config, self.window, self.softcap)
-            else:
-                paged_step_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, meta.max_query_len, meta.num_decode_rows, self.scale, out,
-                                     (self.decode_config, self.prefill_config), self.window, self.softcap)
+            self.attend(q, meta, out)
         else:
             out = paged_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
                                       meta.query_start_loc, self.scale, self.window, self.softcap)
         return out.reshape(q.shape[0], -1)
+
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata, out: torch.Tensor) -> None:
+        """The attention of q [T, H, hd] (rotated, its K/V in the cache) into out [T, H, hd], on CUDA. In a step
+        that prefills, rows past its sequences' tokens (a graph's padding) are not written."""
+        if meta.is_decode:
+            paged_decode_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                   self.scale, out, self.decode_config, self.window, self.softcap)
+        else:
+            paged_step_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, meta.max_query_len, meta.num_decode_rows, self.scale, out,
+                                 (self.decode_config, self.prefill_config), self.window, self.softcap)

@@ -6,7 +6,8 @@ collectives meet). Rank 0's runner is the engine's: `execute` prepares the
 step, sends it to the other ranks once (`followers`, the worker processes),
 runs it and samples; the other ranks' runners `follow` the steps they get.
 Start-up (the KV cache's size, the warm-up, graph capture and the graph check)
-runs on every rank, the ranks agreeing on sizes and verdicts.
+runs on every rank, the ranks agreeing on sizes and verdicts. The graphs of steps
+that prefill (worker/mixed_graphs.py) are captured with one rank only.
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from loraserve.lora.runtime import KVRoom, LoRARuntime
 from loraserve.models.attention import PagedAttention
 from loraserve.sequence import Sequence, SchedulerOutput
 from loraserve.worker.cuda_graphs import CUDAGraphRunner
-from loraserve.worker.graph_check import verify_graphs
+from loraserve.worker.graph_check import verify_graphs, verify_mixed_graphs
+from loraserve.worker.mixed_graphs import MixedGraphRunner
 from loraserve.worker.sampler import PromptLogprobs, SampledTokens, Sampler, TokenHistory
 from loraserve.worker.step_inputs import DeviceStep, PendingTokenFill, PromptLogprobRows, StepInputs
 
@@ -107,6 +109,12 @@ class ModelRunner:
                                                 self.block_size, self.dummy_block, lora, tp)
             self.graph_runner.capture()
             verify_graphs(self)
+        self.mixed_graphs: MixedGraphRunner | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and not tp.is_parallel:
+            self.mixed_graphs = MixedGraphRunner(model, config.scheduler.max_step_tokens, config.model.max_model_len,
+                                                 self.block_size, self.dummy_block, lora)
+            self.mixed_graphs.capture()
+            verify_mixed_graphs(self)
 
     @classmethod
     def build(cls, model, config: EngineConfig, model_name: str | None, eos_token_ids: frozenset[int] = frozenset(),
@@ -232,7 +240,8 @@ class ModelRunner:
     def run(self, step: DeviceStep, fill: PendingTokenFill | None = None
             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The device work of a step, the same on every rank: the forward pass (a graph replay for a decode
-        step that fits a bucket, else eager), then the fp32 logits of the rows that score prompt tokens
+        step that fits a bucket; on one rank, the graphs of a step that prefills where one fits its tokens, the
+        attention between them eager; else eager), then the fp32 logits of the rows that score prompt tokens
         [R, V] and of the sampled rows [N, V] (None where there are none). `fill`: rank 0's tokens still on
         its device."""
         inputs, prompt_logits = step.inputs, None
@@ -240,6 +249,8 @@ class ModelRunner:
             hidden = self.graph_runner.replay(inputs, fill)  # [T, D]
             if inputs.logits_rows.shape[0] != inputs.num_tokens:  # a row that does not sample (a prompt chunk)
                 hidden = hidden[self._to_device(inputs.logits_rows)]
+        elif step.prompt_rows is None and self.mixed_graphs is not None and self.mixed_graphs.can_replay(inputs):
+            hidden = self.mixed_graphs.replay(inputs, fill)[self._to_device(inputs.logits_rows)]  # [N, D]
         elif step.prompt_rows is None:
             hidden = self.forward_eager(inputs, fill)
         else:  # the sampled rows, then the rows that score prompt tokens

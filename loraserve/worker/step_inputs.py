@@ -105,6 +105,25 @@ class StepInputs:
         self.pad_into(out, bucket, dummy_block, block_size)
         return out
 
+    def padded_prefill(self, bucket: int, dummy_block: int, block_size: int) -> StepInputs:
+        """A new StepInputs: this step with one more sequence of bucket - T tokens (position 0 as the graphs'
+        padding, every block the dummy block, no adapter, nothing sampled), so that an eager forward runs the
+        shapes of the step's padded graph (worker/mixed_graphs.py) while its real rows stay the same."""
+        pad = bucket - self.num_tokens
+        if pad <= 0:
+            return self
+        width = max(self.block_tables.shape[1], -(-pad // block_size))
+        tables = np.full((self.block_tables.shape[0] + 1, width), dummy_block, dtype=np.int32)
+        tables[:-1, :self.block_tables.shape[1]] = self.block_tables
+        slots = dummy_block * block_size + np.arange(pad, dtype=np.int64) % block_size
+        return StepInputs(np.concatenate([self.input_ids, np.zeros(pad, np.int64)]),
+                          np.concatenate([self.positions, np.zeros(pad, np.int64)]),
+                          np.concatenate([self.slot_mapping, slots]),
+                          tables, np.concatenate([self.seq_lens, [pad]]).astype(np.int32),
+                          np.concatenate([self.query_start_loc, [bucket]]).astype(np.int32),
+                          np.concatenate([self.token_adapters, np.full(pad, -1, np.int32)]),
+                          self.logits_rows, max(self.max_query_len, pad))
+
     @classmethod
     def dummy_prefill(cls, num_tokens: int, max_len: int, dummy_block: int, block_size: int, adapter: int
                       ) -> StepInputs:

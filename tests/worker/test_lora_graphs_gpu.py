@@ -1,10 +1,11 @@
-"""GPU: LoRA inside the decode graphs (marked gpu).
+"""GPU: LoRA inside the decode graphs and the graphs of steps that prefill (marked gpu).
 
 Graph output equals eager output for every bucket and 0, 1, k and max_loras
 active adapters with base rows mixed in and mixed ranks; adapter rows differ
 from base rows (a graph that dropped LoRA fails); adapters loaded or replaced
 after capture take effect at the next step; graphs + LoRA match PEFT in bf16.
 """
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from loraserve.forward_context import AttentionMetadata, ForwardContext
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.runtime import LoRABatch
 from loraserve.lora.synthetic import random_adapter
+from loraserve.worker.graph_check import probe_prefill_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_common import time_capture  # noqa: E402 (the benchmarks' capture timer)
@@ -262,4 +264,42 @@ def test_graphs_follow_adapters_moving_through_a_full_pool(setup):
             assert (graph.float() - eager.float()).abs().max() <= 1e-2 * scale, f"round {round_}, bucket {bucket}"
             assert all((graph[i].float() - base[i].float()).abs().max() > 1e-2 * scale
                        for i, s in enumerate(token_ids) if s >= 0), "an adapter row equals base"
+    assert manager.num_gpu_evictions > 0
+
+
+def test_prefill_graphs_follow_adapters_moving_through_a_full_pool(setup):
+    """The graphs of steps that prefill (a few decode rows and a prompt chunk, worker/mixed_graphs.py): every
+    bucket's replay equals the eager forward of the same step while adapters are evicted and loaded between
+    replays, and the rows of adapters differ from the same step on the base model (LoRA was not left out)."""
+    folder, _, first = setup
+    page = first.engine.lora_manager.pool.page_bytes
+    llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=40, enable_lora=True,
+              max_loras=3, max_lora_rank=16, lora_gpu_memory=6.5 * page / 2**30, max_num_batched_tokens=512)
+    runner, manager = llm.engine.runner, llm.engine.lora_manager
+    graphs = runner.mixed_graphs
+    assert graphs.buckets == [32, 64, 96, 128, 192, 256, 384, 512] and set(graphs.graphs) == set(graphs.buckets)
+    for i in range(8):
+        manager.register_adapter(f"p{i}", random_adapter(manager.runtime.spec, f"p{i}", [8, 16][i % 2], seed=60 + i,
+                                                         std=0.05))
+    rng = random.Random(4)
+    for round_ in range(4):
+        names = rng.sample([f"p{i}" for i in range(8)], 3)
+        if sum(manager.pages_of(n) for n in names) > 6:
+            names = names[:2]
+        ids = sorted(manager.prepare(set(names), set()).values())
+        for bucket in graphs.buckets:
+            probe = probe_prefill_step(np.random.default_rng(10 * round_ + bucket), bucket, runner.block_size, ids,
+                                       llm.engine.hf_config.vocab_size, 512)
+            rows = np.arange(probe.num_tokens)
+            graph = graphs.replay(probe).clone()
+            padded = probe.padded_prefill(bucket, runner.dummy_block, runner.block_size)  # the graphs' shapes
+            eager = runner.forward_eager(padded, rows=rows)
+            base = runner.forward_eager(dataclasses.replace(padded, token_adapters=np.full_like(padded.token_adapters, -1)),
+                                        rows=rows)
+            scale = eager.float().abs().max()
+            assert (graph.float() - eager.float()).abs().max() <= 1e-2 * scale, f"round {round_}, bucket {bucket}"
+            lora_rows = torch.from_numpy(probe.token_adapters >= 0).cuda()
+            assert lora_rows.any()
+            assert ((graph[lora_rows].float() - base[lora_rows].float()).abs().amax(dim=1) > 1e-2 * scale).all(), \
+                f"an adapter row equals base (round {round_}, bucket {bucket})"
     assert manager.num_gpu_evictions > 0

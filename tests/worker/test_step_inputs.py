@@ -96,3 +96,19 @@ def test_num_decode_rows_counts_the_leading_one_token_sequences(query_lens, want
     qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
     inputs = dataclasses.replace(StepInputs.empty_decode(), query_start_loc=qsl)
     assert inputs.num_decode_rows == want
+
+
+def test_padded_prefill_adds_one_sequence_over_the_dummy_block():
+    steps = dataclasses.replace(StepInputs.empty_decode(), input_ids=np.array([5, 6, 7], np.int64),
+                                positions=np.array([9, 0, 1], np.int64), slot_mapping=np.array([41, 16, 17], np.int64),
+                                block_tables=np.array([[2, 1], [1, 0]], np.int32), seq_lens=np.array([10, 2], np.int32),
+                                query_start_loc=np.array([0, 1, 3], np.int32), token_adapters=np.array([0, -1, -1], np.int32),
+                                logits_rows=np.array([0, 2], np.int64), max_query_len=2)
+    padded = steps.padded_prefill(40, dummy_block=7, block_size=16)
+    assert padded.num_tokens == 40 and padded.num_decode_rows == 1
+    assert padded.query_start_loc.tolist() == [0, 1, 3, 40] and padded.seq_lens.tolist() == [10, 2, 37]
+    assert padded.block_tables.shape == (3, 3) and (padded.block_tables[2] == 7).all()
+    assert padded.block_tables[:2, :2].tolist() == [[2, 1], [1, 0]] and (padded.block_tables[:2, 2] == 7).all()
+    assert (padded.slot_mapping[3:] // 16 == 7).all() and (padded.positions[3:] == 0).all()
+    assert (padded.token_adapters[3:] == -1).all() and padded.logits_rows.tolist() == [0, 2]
+    assert padded.max_query_len == 37 and steps.padded_prefill(3, 7, 16) is steps
