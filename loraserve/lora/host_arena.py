@@ -5,10 +5,11 @@ memory one adapter at a time while the engine serves stalls it: cudaHostAlloc ho
 page-locks the memory, and a step launched meanwhile waits (0.15-0.2 s for each rank-16 Llama-3-8B adapter,
 82 MiB, was measured on an H200: the step beside each read took as long). So `HostArena` pins one block when the
 engine starts and hands out ranges of it, first fit; `hold(packed)` moves a packed adapter (read in ordinary
-memory, in any thread) into a range. A range comes back with `give_back(tensor, after)` once the copies that
-read it are done (`after`: the event of the last one; ranges given back earlier wait for it), or when the
-tensor is collected without having been given back (an adapter read but never cached). Where no range fits,
-the adapter stays in ordinary memory: correct, but its copy to the GPU blocks the thread that issues it.
+memory, in any thread) into a range. The runtime tells the arena of each copy to the GPU that reads a range
+(`copied`, with its event); the range comes back with `give_back(tensor)`, or when the tensor is collected
+without having been given back (an adapter read but never cached), and is reused once that copy is done.
+Where no range fits, the adapter stays in ordinary memory: correct, but its copy to the GPU blocks the thread
+that issues it.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def _aligned(n: int) -> int:
 
 
 class HostArena:
-    """`nbytes` of host memory (pinned with `pin`), handed out in ranges; thread-safe."""
+    """`nbytes` of host memory (pinned with `pin`), handed out in ranges; thread-safe. The arena keeps, per range,
+    the event of the last copy that reads it (`copied`), so a range given back or collected is reused only
+    after that copy."""
 
     def __init__(self, nbytes: int, pin: bool = True):
         self.nbytes = _aligned(max(nbytes, ALIGN_BYTES))
@@ -41,7 +44,7 @@ class HostArena:
         self._base = self._buffer.data_ptr()
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (start, size), by start, never adjacent
-        self._owners: dict[int, tuple[int, int]] = {}  # start -> (size, token) of each range handed out
+        self._owners: dict[int, list] = {}  # start -> [size, token, last copy's event or None] of each range out
         self._waiting: list[tuple[int, int, object]] = []  # (start, size, event): given back, copies in flight
         self._tokens = itertools.count()
 
@@ -53,8 +56,44 @@ class HostArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor of `shape` and `dtype` in the arena, or None when no free range is large enough."""
-        numel = math.prod(shape)
-        size = _aligned(numel * torch.empty((), dtype=dtype).element_size())
+        nbytes = math.prod(shape) * _element_size(dtype)
+        start = self._take_range(nbytes)
+        return None if start is None else self._view(start, shape, dtype, finalize=True)
+
+    def hold(self, packed: PackedAdapter) -> PackedAdapter:
+        """`packed` with its data and ranks copied into one range of the arena (its data's: `copied`, `give_back`),
+        or `packed` itself where they don't fit."""
+        data_bytes = _aligned(packed.data.numel() * packed.data.element_size())
+        start = self._take_range(data_bytes + packed.ranks.numel() * packed.ranks.element_size())
+        if start is None:
+            logger.debug("the pinned host arena has no room for %.1f MiB: an adapter stays in ordinary memory",
+                         data_bytes / 2**20)
+            return packed
+        data = self._view(start, tuple(packed.data.shape), packed.data.dtype, finalize=True)
+        ranks = self._view(start + data_bytes, tuple(packed.ranks.shape), packed.ranks.dtype, finalize=False)
+        data.copy_(packed.data)
+        ranks.copy_(packed.ranks)
+        return replace(packed, data=data, ranks=ranks)
+
+    def copied(self, tensor: torch.Tensor, event) -> None:
+        """A copy that reads `tensor`'s range was issued; `event` (a CUDA event) marks it done. A tensor from
+        elsewhere is ignored."""
+        with self._lock:
+            owner = self._owners.get(tensor.data_ptr() - self._base)
+            if owner is not None:
+                owner[2] = event
+
+    def give_back(self, tensor: torch.Tensor) -> None:
+        """Return the range that `take` (or `hold`) gave as `tensor`, for reuse once its last copy is done. A
+        tensor from elsewhere is ignored."""
+        start = tensor.data_ptr() - self._base
+        with self._lock:
+            owner = self._owners.get(start)
+        if owner is not None:
+            self._release(start, owner[1])
+
+    def _take_range(self, nbytes: int) -> int | None:
+        size = _aligned(nbytes)
         with self._lock:
             self._reclaim()
             found = next((i for i, (_, free) in enumerate(self._free) if free >= size), None)
@@ -65,45 +104,29 @@ class HostArena:
                 del self._free[found]
             else:
                 self._free[found] = (start + size, free - size)
-            token = next(self._tokens)
-            self._owners[start] = (size, token)
-        view = self._buffer[start:start + size].view(dtype)[:numel].view(shape)
-        weakref.finalize(view, self._release, start, token, None)  # never given back: free once collected
+            self._owners[start] = [size, next(self._tokens), None]
+            return start
+
+    def _view(self, offset: int, shape: tuple[int, ...], dtype: torch.dtype, finalize: bool) -> torch.Tensor:
+        """A tensor over the arena's bytes from `offset`; with `finalize`, the range that starts there returns
+        when the tensor is collected without having been given back (an adapter read but never cached)."""
+        numel = math.prod(shape)
+        view = self._buffer[offset:offset + _aligned(numel * _element_size(dtype))].view(dtype)[:numel].view(shape)
+        if finalize:
+            weakref.finalize(view, self._release, offset, self._owners[offset][1])
         return view
 
-    def give_back(self, tensor: torch.Tensor, after=None) -> None:
-        """Return the range that `take` gave as `tensor`, for reuse once `after` (a CUDA event, or None) has
-        completed. A tensor from elsewhere is ignored."""
-        start = tensor.data_ptr() - self._base
-        with self._lock:
-            owner = self._owners.get(start)
-        if owner is not None:
-            self._release(start, owner[1], after)
-
-    def hold(self, packed: PackedAdapter) -> PackedAdapter:
-        """`packed` with its data and ranks copied into the arena, or `packed` itself where they don't fit."""
-        data = self.take(tuple(packed.data.shape), packed.data.dtype)
-        ranks = self.take(tuple(packed.ranks.shape), packed.ranks.dtype) if data is not None else None
-        if ranks is None:
-            if data is not None:
-                self.give_back(data)
-            logger.debug("the pinned host arena has no room for %.1f MiB: an adapter stays in ordinary memory",
-                         packed.data.numel() * packed.data.element_size() / 2**20)
-            return packed
-        data.copy_(packed.data)
-        ranks.copy_(packed.ranks)
-        return replace(packed, data=data, ranks=ranks)
-
-    def _release(self, start: int, token: int, after) -> None:
+    def _release(self, start: int, token: int) -> None:
         with self._lock:
             owner = self._owners.get(start)
             if owner is None or owner[1] != token:  # given back already (the range may have a new owner)
                 return
             del self._owners[start]
-            if after is not None and not after.query():
-                self._waiting.append((start, owner[0], after))
+            size, _, event = owner
+            if event is not None and not event.query():
+                self._waiting.append((start, size, event))
             else:
-                self._add_free(start, owner[0])
+                self._add_free(start, size)
 
     def _reclaim(self) -> None:
         """Free the waiting ranges whose copies are done (the lock is held)."""
@@ -126,3 +149,7 @@ class HostArena:
             size += self._free[i][1]
             del self._free[i]
         self._free.insert(i, (start, size))
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

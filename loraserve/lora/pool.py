@@ -95,7 +95,6 @@ class PackedAdapter:
     # tensor parallel: the other ranks' parts in the same layout, [ranks - 1, pages, width] in shared memory
     # (lora.runtime.LoRARuntime.pack makes them on rank 0); None with one rank
     peer_data: torch.Tensor | None = None
-    copied: torch.cuda.Event | None = None  # marks the last copy from data to the GPU done (None: none in flight)
 
     @property
     def num_pages(self) -> int:

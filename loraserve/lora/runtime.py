@@ -217,10 +217,9 @@ class LoRARuntime:
         return self.host.hold(packed) if self.host is not None else packed
 
     def release_host(self, packed: PackedAdapter) -> None:
-        """The host cache dropped `packed`: its arena ranges are reused once its last copy to the pool is done."""
+        """The host cache dropped `packed`: its arena range is reused once its last copy to the pool is done."""
         if self.host is not None:
-            self.host.give_back(packed.data, packed.copied)
-            self.host.give_back(packed.ranks, packed.copied)
+            self.host.give_back(packed.data)
 
     def load(self, packed: PackedAdapter) -> tuple[int, torch.cuda.Event | None]:
         """Copy a packed adapter into free pages (the caller made room); returns its id and, on CUDA, the event
@@ -243,7 +242,8 @@ class LoRARuntime:
             self.pool.write_at(adapter_id, pages, packed)
             done = torch.cuda.Event()
             done.record(self._load_stream)
-        packed.copied = done
+        if self.host is not None:
+            self.host.copied(packed.data, done)  # its range is not reused before this copy is done
         return done
 
     def take_peer_loads(self) -> list[PeerLoad]:

@@ -241,13 +241,10 @@ class RowParallelLinear(LinearBase):
         # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum)
         if not self.tp.is_parallel:
             return LinearOutput(F.linear(x, self.weight, self.bias), None)
-        if x.dtype == torch.float32 or x.shape[0] > FP32_REDUCE_MAX_TOKENS:
-            y = F.linear(x, self.weight)
-            self.tp.all_reduce(y)
-        else:
-            y = fp32_product(x, self.weight)  # [T, out] float32
-            self.tp.all_reduce(y)
-            y = y.to(x.dtype)
+        in_fp32 = x.dtype != torch.float32 and x.shape[0] <= FP32_REDUCE_MAX_TOKENS
+        y = fp32_product(x, self.weight) if in_fp32 else F.linear(x, self.weight)  # [T, out]
+        self.tp.all_reduce(y)
+        y = y.to(x.dtype)  # the one rounding of an fp32 sum (a no-op otherwise)
         if self.bias is not None:
             y = y + self.bias
         return LinearOutput(y, None)

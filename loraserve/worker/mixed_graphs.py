@@ -85,7 +85,7 @@ class MixedGraphRunner:
         # static inputs: input_ids | positions | slot_mapping, [3, T] int64, and their pinned staging (in turn)
         self._device_buf = torch.zeros(3, t, dtype=torch.int64, device=self.device)
         self._staging = [torch.zeros(3, t, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-        self._adapters = [np.full(t, -1, dtype=np.int32) for _ in range(2)]  # token -> adapter id, padded
+        self._adapters = np.full(t, -1, dtype=np.int32)  # token -> adapter id, padded (read at once by the metadata)
         self._copy_done = [torch.cuda.Event() for _ in range(2)]
         self._next = 0
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
@@ -95,12 +95,11 @@ class MixedGraphRunner:
         self._pool = torch.cuda.graph_pool_handle() if self.buckets else None
 
     # -- capture --------------------------------------------------------------------
-    def _meta(self, inputs: StepInputs, bucket: int, split=None) -> AttentionMetadata:
-        ids, positions, slots = (self._device_buf[k, :bucket] for k in range(3))
+    def _meta(self, inputs: StepInputs, bucket: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=slots, block_tables=self._to_device(inputs.block_tables),
+            slot_mapping=self._device_buf[2, :bucket], block_tables=self._to_device(inputs.block_tables),
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
-            max_query_len=inputs.max_query_len, is_decode=False, num_decode_rows=inputs.num_decode_rows, split=split)
+            max_query_len=inputs.max_query_len, is_decode=False, num_decode_rows=inputs.num_decode_rows)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -170,20 +169,14 @@ class MixedGraphRunner:
         return self.outputs[bucket][:inputs.num_tokens]
 
     def write_inputs(self, inputs: StepInputs, bucket: int) -> None:
-        """Write a step's token ids, positions and KV slots, padded to `bucket` tokens (id 0, position 0, the
-        dummy block's slots), into the static buffers, and its tokens' adapters (padding: -1) into the LoRA
-        metadata."""
+        """Write a step's token ids, positions and KV slots, padded to `bucket` tokens (StepInputs.pad_tokens_into),
+        into the static buffers, and its tokens' adapters into the LoRA metadata."""
         index = self._next
         self._next = 1 - index
         self._copy_done[index].synchronize()  # the copy that last used this staging buffer is done
-        host, n = self._staging[index].numpy(), inputs.num_tokens
-        host[0, :n], host[0, n:bucket] = inputs.input_ids, 0
-        host[1, :n], host[1, n:bucket] = inputs.positions, 0
-        host[2, :n] = inputs.slot_mapping
-        host[2, n:bucket] = self.dummy_block * self.block_size + np.arange(bucket - n) % self.block_size
+        host = self._staging[index].numpy()
+        inputs.pad_tokens_into(host[0], host[1], host[2], self._adapters, bucket, self.dummy_block, self.block_size)
         self._device_buf[:, :bucket].copy_(self._staging[index][:, :bucket], non_blocking=True)
         self._copy_done[index].record()
         if self.lora is not None:
-            adapters = self._adapters[index]
-            adapters[:n], adapters[n:bucket] = inputs.token_adapters, -1
-            self.lora.write_metadata(adapters[:bucket])
+            self.lora.write_metadata(self._adapters[:bucket])

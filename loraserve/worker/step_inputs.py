@@ -83,19 +83,27 @@ class StepInputs:
         positions, slot_mapping, seq_lens, token_adapters and block_tables (numpy arrays at least that
         long, block_tables at least as wide as this step's): the CUDA graphs' padding rule.
 
-        Padding rows have token 0, position 0, seq_len 0 and adapter -1, and write their K/V into the
-        dummy block; every table entry past a row's own blocks is the dummy block. So padding can touch
-        no real sequence's KV cache or output."""
+        Padding rows are padding tokens (pad_tokens_into) with seq_len 0; every table entry past a row's own
+        blocks is the dummy block. So padding can touch no real sequence's KV cache or output."""
         n = self.num_tokens
         if not self.is_decode and n:
             raise ValueError("only decode steps (one token per sequence) are padded")
-        out.input_ids[:n], out.input_ids[n:bucket] = self.input_ids, 0
-        out.positions[:n], out.positions[n:bucket] = self.positions, 0
-        out.slot_mapping[:n], out.slot_mapping[n:bucket] = self.slot_mapping, dummy_block * block_size
+        self.pad_tokens_into(out.input_ids, out.positions, out.slot_mapping, out.token_adapters, bucket,
+                             dummy_block, block_size)
         out.seq_lens[:n], out.seq_lens[n:bucket] = self.seq_lens, 0
-        out.token_adapters[:n], out.token_adapters[n:bucket] = self.token_adapters, -1
         out.block_tables[:bucket] = dummy_block
         out.block_tables[:n, :self.block_tables.shape[1]] = self.block_tables
+
+    def pad_tokens_into(self, ids, positions, slots, adapters, bucket: int, dummy_block: int,
+                        block_size: int) -> None:
+        """Write this step's tokens, padded to `bucket`, into rows [0, bucket) of ids, positions, slots and
+        adapters (numpy arrays at least that long): the graphs' padding rule for tokens. A padding token is
+        token 0 at position 0, writes its K/V into the dummy block and names no adapter."""
+        n = self.num_tokens
+        ids[:n], ids[n:bucket] = self.input_ids, 0
+        positions[:n], positions[n:bucket] = self.positions, 0
+        slots[:n], slots[n:bucket] = self.slot_mapping, dummy_block * block_size
+        adapters[:n], adapters[n:bucket] = self.token_adapters, -1
 
     def padded(self, bucket: int, max_blocks: int, dummy_block: int, block_size: int) -> StepInputs:
         """A new StepInputs: this decode step padded to `bucket` rows and `max_blocks` table columns (pad_into)."""
@@ -106,22 +114,20 @@ class StepInputs:
         return out
 
     def padded_prefill(self, bucket: int, dummy_block: int, block_size: int) -> StepInputs:
-        """A new StepInputs: this step with one more sequence of bucket - T tokens (position 0 as the graphs'
-        padding, every block the dummy block, no adapter, nothing sampled), so that an eager forward runs the
-        shapes of the step's padded graph (worker/mixed_graphs.py) while its real rows stay the same."""
+        """A new StepInputs: this step with its padding tokens to `bucket` (pad_tokens_into) made one more
+        sequence (every block the dummy block, nothing sampled), so that an eager forward runs the shapes of
+        the step's padded graph (worker/mixed_graphs.py) while its real rows stay the same."""
         pad = bucket - self.num_tokens
         if pad <= 0:
             return self
         width = max(self.block_tables.shape[1], -(-pad // block_size))
         tables = np.full((self.block_tables.shape[0] + 1, width), dummy_block, dtype=np.int32)
         tables[:-1, :self.block_tables.shape[1]] = self.block_tables
-        slots = dummy_block * block_size + np.arange(pad, dtype=np.int64) % block_size
-        return StepInputs(np.concatenate([self.input_ids, np.zeros(pad, np.int64)]),
-                          np.concatenate([self.positions, np.zeros(pad, np.int64)]),
-                          np.concatenate([self.slot_mapping, slots]),
-                          tables, np.concatenate([self.seq_lens, [pad]]).astype(np.int32),
-                          np.concatenate([self.query_start_loc, [bucket]]).astype(np.int32),
-                          np.concatenate([self.token_adapters, np.full(pad, -1, np.int32)]),
+        ids, positions, slots = (np.empty(bucket, np.int64) for _ in range(3))
+        adapters = np.empty(bucket, np.int32)
+        self.pad_tokens_into(ids, positions, slots, adapters, bucket, dummy_block, block_size)
+        return StepInputs(ids, positions, slots, tables, np.concatenate([self.seq_lens, [pad]]).astype(np.int32),
+                          np.concatenate([self.query_start_loc, [bucket]]).astype(np.int32), adapters,
                           self.logits_rows, max(self.max_query_len, pad))
 
     @classmethod

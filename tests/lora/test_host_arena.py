@@ -50,11 +50,25 @@ def test_a_range_is_reused_only_once_its_copy_is_done():
     arena = HostArena(4 * ALIGN_BYTES, pin=False)
     a = arena.take((4 * ALIGN_BYTES,), torch.uint8)
     copy = FakeEvent()
-    arena.give_back(a, after=copy)
+    arena.copied(a, copy)
+    arena.give_back(a)
     assert arena.take((ALIGN_BYTES,), torch.uint8) is None and arena.free_bytes == 0
     copy.done = True
     assert arena.free_bytes == arena.nbytes
     assert _start(arena, arena.take((ALIGN_BYTES,), torch.uint8)) == 0
+
+
+def test_a_collected_range_waits_for_its_copy_too():
+    arena = HostArena(3 * ALIGN_BYTES, pin=False)
+    held = arena.hold(PackedAdapter(torch.ones(1, 64), 0, torch.tensor([8], dtype=torch.int32)))  # one range
+    assert arena.free_bytes == 0
+    copy = FakeEvent()
+    arena.copied(held.data, copy)
+    del held  # dropped without being given back, its copy to the GPU still in flight
+    gc.collect()
+    assert arena.free_bytes == 0
+    copy.done = True
+    assert arena.free_bytes == arena.nbytes
 
 
 def test_collected_ranges_come_back_and_a_stale_one_never_frees_its_successor():
@@ -95,7 +109,10 @@ def test_random_takes_and_gives_never_overlap_or_leak():
     for _ in range(10_000):
         if held and rng.random() < 0.5:
             event = FakeEvent() if rng.random() < 0.3 else None
-            arena.give_back(held.pop(rng.randrange(len(held))), after=event)
+            t = held.pop(rng.randrange(len(held)))
+            if event is not None:
+                arena.copied(t, event)
+            arena.give_back(t)
             copies += [event] if event is not None else []
         elif rng.random() < 0.2:
             for event in copies:
@@ -108,7 +125,7 @@ def test_random_takes_and_gives_never_overlap_or_leak():
         spans = sorted((_start(arena, t), t.numel()) for t in held)
         assert all(s + n <= s2 for (s, n), (s2, _) in zip(spans, spans[1:]))
         free = sum(size for _, size in arena._free)
-        owned = sum(size for size, _ in arena._owners.values())
+        owned = sum(size for size, _, _ in arena._owners.values())
         waiting = sum(size for _, size, _ in arena._waiting)
         assert free + owned + waiting == arena.nbytes
     for t in held:
