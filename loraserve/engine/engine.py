@@ -258,6 +258,10 @@ class LLMEngine:
         admitted = self._admit_lora_waits() if self._lora_waits else []
         in_flight, self._in_flight = self._in_flight, None
         outputs = admitted + self._launch(self.scheduler.schedule(), in_flight)
+        if self.lora_manager is not None and self.scheduler.waiting:  # waiting requests' adapters come in meanwhile
+            idle = self._in_flight is None and in_flight is None  # nothing runs: a read may be waited for briefly
+            self.lora_manager.prefetch(self.scheduler.waiting_loras(self.config.lora.max_loras),
+                                       self.scheduler.running_loras(), idle)
         if in_flight is not None:
             outputs += self._read(in_flight)
         if not self.config.async_scheduling and self._in_flight is not None:
@@ -290,8 +294,6 @@ class LLMEngine:
                 seq.first_scheduled_time = now
                 if seq.lora_name is not None:
                     self.lora_manager.record_queue_time(seq.lora_name, now - seq.arrival_time)
-        if self.lora_manager is not None:  # copy waiting requests' adapters in while this step runs
-            self.lora_manager.prefetch(self.scheduler.waiting_loras(self.config.lora.max_loras), running | names)
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for seq in self._in_flight.sequences:

@@ -12,7 +12,9 @@ Policy per step (token budget `max_num_batched_tokens`, at most `max_num_seqs`):
    adapters) come first, first come first served; then the requests of other
    adapters, the adapter with the most waiting requests first, so that the
    pool's room holds as many requests as it can. A request whose adapter does
-   not fit now is passed over and never blocks the requests behind it.
+   not fit now, or is still being read (not in the pool or the host cache:
+   the manager reads it ahead, and no step waits for a read), is passed over
+   and never blocks the requests behind it.
 3. No starvation: once the oldest request whose adapter does not fit has
    waited `max_wait_steps` steps (LoRAConfig), its adapter is offered room
    first; while it does not fit, no other new adapter may start, and the
@@ -56,6 +58,8 @@ class AdapterRoom(Protocol):
 
     def identity(self, name: str) -> int: ...  # stands for the weights `name` serves now (prefix cache keys)
 
+    def is_ready(self, name: str) -> bool: ...  # `name` can be made resident without a read from disk
+
 
 class _ActiveAdapters:
     """The adapters one step holds (running and pinned) and their pool pages, kept up to date while an
@@ -94,6 +98,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._admitted: set[Sequence] = set()  # admitted by the last schedule()
+        self._starving: str | None = None  # the starving adapter of the last schedule() (_starving_adapter)
         self._running_loras: Counter[str] = Counter()  # adapter -> running sequences using it
         self.num_preemptions = 0  # since start
         self.prefix_cache_counts: dict[str | None, PrefixCacheCounts] = {}  # adapter (None: base) -> since start
@@ -112,10 +117,14 @@ class Scheduler:
 
     def waiting_loras(self, limit: int) -> list[str]:
         """The adapters of waiting requests that are not running, in the order they will be offered room (the
-        most waiting requests first, then the first to arrive), at most `limit` of them."""
+        starving adapter, then the most waiting requests first, then the first to arrive), at most `limit`."""
         counts: Counter[str] = Counter(seq.lora_name for seq in self.waiting
                                        if seq.lora_name is not None and seq.lora_name not in self._running_loras)
-        return [name for name, _ in counts.most_common(limit)]  # ties keep first-arrival order
+        names = [name for name, _ in counts.most_common()]  # ties keep first-arrival order
+        if self._starving in counts:
+            names.remove(self._starving)
+            names.insert(0, self._starving)
+        return names[:limit]
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Take `seq` out of the queues (finished or aborted) and free its blocks."""
@@ -165,7 +174,7 @@ class Scheduler:
         pinned = self._room.pinned if self._room is not None else frozenset()
         active = _ActiveAdapters(self._running_loras.keys() | pinned, self._room, self.max_loras) \
             if self._room is not None else None
-        starving = self._starving_adapter(pinned)
+        starving = self._starving = self._starving_adapter(pinned)
         draining = self._draining(starving, pinned, active) if starving is not None else None
         for seq in self._admission_order(starving, active):
             if budget <= 0 or len(self.running) + len(admitted) >= self.config.max_num_seqs:
@@ -266,6 +275,8 @@ class Scheduler:
         """Whether a request of the (unpinned) adapter `name` may be admitted now."""
         if name in self._running_loras:
             return name != draining  # a draining adapter takes no new requests: its room goes to the starving one
+        if not self._room.is_ready(name):
+            return False  # still being read: no step waits for a read
         if starving is not None and name != starving and not active.fits(starving):
             return False  # room that frees is kept for the starving adapter
         return active.fits(name)

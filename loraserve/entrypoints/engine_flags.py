@@ -68,7 +68,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-cpu-loras", type=int, default=_DEFAULTS.max_cpu_loras,
                         help="most adapters cached in host memory (default: as many as fit in the bytes)")
     parser.add_argument("--lora-reader", choices=("auto", "process", "thread"), default=_DEFAULTS.lora_reader,
-                        help="who reads, checks and packs adapter folders: a reader process (off the engine's "
+                        help="who reads, checks and packs adapter folders: reader processes (off the engine's "
                              "interpreter), a thread of the engine's process, or auto: the process on CUDA")
 
 

@@ -1,4 +1,4 @@
-"""Loading a PEFT LoRA adapter folder into validated fp32 tensors, scaling folded into B.
+"""Loading a PEFT LoRA adapter folder into validated tensors (in the file's dtype), scaling folded into B.
 
 `load_lora_adapter` reads adapter_config.json and adapter_model.safetensors (or
 adapter_model.bin, through `torch.load(weights_only=True)` only), maps every
@@ -171,13 +171,14 @@ def _locate(name: str, modules: list[str], spec: LoRAModelSpec) -> dict[str, tup
 
 
 def _check_tensor(name: str, module: str, which: str, t: torch.Tensor) -> torch.Tensor:
-    """`t` as float32 after checking it is a finite 2-D floating-point matrix."""
+    """`t` (unchanged: the packer casts it to the model's dtype) after checking it is a finite 2-D floating-point
+    matrix."""
     if not t.is_floating_point():
         raise LoRAAdapterError(name, f"{which} has dtype {t.dtype}, not a floating-point type", module)
     if t.dim() != 2:
         raise LoRAAdapterError(name, f"{which} has shape {tuple(t.shape)}, expected a matrix", module)
-    t = t.to(torch.float32)
-    if not torch.isfinite(t).all():  # one pass over the weights; which kind only when there is one
+    # NaN and +-Inf reach the extremes: one pass over the weights, several times faster than isfinite(t).all()
+    if t.numel() and not torch.isfinite(torch.stack(torch.aminmax(t))).all():
         kind = "NaN" if torch.isnan(t).any() else "Inf"
         raise LoRAAdapterError(name, f"{which} contains {kind} values", module)
     return t
@@ -187,7 +188,9 @@ def _module_weights(
     name: str, module: str, parts: dict[str, torch.Tensor], dims: tuple[int, int],
     config: PeftLoRAConfig, max_lora_rank: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [r, in], B_scaled [out, r]) in float32 for one module, after every check."""
+    """(A [r, in], B_scaled [out, r]) for one module, after every check: A in the file's dtype, B scaled in
+    float32 (in the file's dtype where the scale is 1: every cast to the model's dtype then rounds once, when
+    the adapter is packed, as an upcast to float32 first would)."""
     for part, other in (("A", "B"), ("B", "A")):
         if part not in parts:
             raise LoRAAdapterError(name, f"has lora_{other} but no lora_{part} weight", module)
@@ -211,7 +214,8 @@ def _module_weights(
         )
     if rank > max_lora_rank:
         raise LoRAAdapterError(name, f"rank {rank} exceeds max_lora_rank {max_lora_rank}", module)
-    return a.contiguous(), (b * config.scaling_for(module)).contiguous()
+    scaling = config.scaling_for(module)
+    return a.contiguous(), (b if scaling == 1 else b.to(torch.float32) * scaling).contiguous()
 
 
 # What a GGUF file or repo adds to a model's name: `Qwen2.5-7B-Instruct-Q4_K_M.gguf`, `...-GGUF`, `....f16`.

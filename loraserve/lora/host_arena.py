@@ -5,7 +5,10 @@ memory one adapter at a time while the engine serves stalls it: cudaHostAlloc ho
 page-locks the memory, and a step launched meanwhile waits (0.15-0.2 s for each rank-16 Llama-3-8B adapter,
 82 MiB, was measured on an H200: the step beside each read took as long). So `HostArena` pins one block when the
 engine starts and hands out ranges of it, first fit; `hold(packed)` moves a packed adapter (read in ordinary
-memory, in any thread) into a range. The runtime tells the arena of each copy to the GPU that reads a range
+memory, in any thread) into a range, and `take_packed` gives a range for an adapter to be packed straight into.
+Where the platform has memfd (Linux), the block is an anonymous shared-memory file (`fd`) pinned by registering it
+with CUDA, so that the reader processes (lora/reader.py) map it too and pack adapters straight into their ranges:
+no copy of an adapter in the engine's process. The runtime tells the arena of each copy to the GPU that reads a range
 (`copied`, with its event); the range comes back with `give_back(tensor)`, or when the tensor is collected
 without having been given back (an adapter read but never cached), and is reused once that copy is done.
 Where no range fits, the adapter stays in ordinary memory: correct, but its copy to the GPU blocks the thread
@@ -16,6 +19,8 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import mmap
+import os
 import threading
 import weakref
 from dataclasses import replace
@@ -36,11 +41,22 @@ def _aligned(n: int) -> int:
 class HostArena:
     """`nbytes` of host memory (pinned with `pin`), handed out in ranges; thread-safe. The arena keeps, per range,
     the event of the last copy that reads it (`copied`), so a range given back or collected is reused only
-    after that copy."""
+    after that copy. `shared`: a shared-memory file other processes can map (`fd`; needs memfd)."""
 
-    def __init__(self, nbytes: int, pin: bool = True):
+    def __init__(self, nbytes: int, pin: bool = True, shared: bool = False):
         self.nbytes = _aligned(max(nbytes, ALIGN_BYTES))
-        self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)  # [bytes]
+        self.fd: int | None = None  # the shared-memory file, when shared
+        if shared:
+            self.fd = os.memfd_create("loraserve-host-arena", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.nbytes)
+            mapped = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            self._buffer = torch.frombuffer(mapped, dtype=torch.uint8)  # [bytes]
+            if pin:  # page-locked in place; unregistered with the arena (cudaHostUnregister)
+                _register(self._buffer)
+                weakref.finalize(self, _unregister, self._buffer.data_ptr())
+            weakref.finalize(self, os.close, self.fd)
+        else:
+            self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=pin)  # [bytes]
         self._base = self._buffer.data_ptr()
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)]  # (start, size), by start, never adjacent
@@ -63,17 +79,31 @@ class HostArena:
     def hold(self, packed: PackedAdapter) -> PackedAdapter:
         """`packed` with its data and ranks copied into one range of the arena (its data's: `copied`, `give_back`),
         or `packed` itself where they don't fit."""
-        data_bytes = _aligned(packed.data.numel() * packed.data.element_size())
-        start = self._take_range(data_bytes + packed.ranks.numel() * packed.ranks.element_size())
-        if start is None:
-            logger.debug("the pinned host arena has no room for %.1f MiB: an adapter stays in ordinary memory",
-                         data_bytes / 2**20)
+        taken = self.take_packed(tuple(packed.data.shape), packed.data.dtype, packed.ranks.numel())
+        if taken is None:
             return packed
-        data = self._view(start, tuple(packed.data.shape), packed.data.dtype, finalize=True)
-        ranks = self._view(start + data_bytes, tuple(packed.ranks.shape), packed.ranks.dtype, finalize=False)
+        data, ranks = taken
         data.copy_(packed.data)
         ranks.copy_(packed.ranks)
         return replace(packed, data=data, ranks=ranks)
+
+    def take_packed(self, shape: tuple[int, int], dtype: torch.dtype,
+                    num_layers: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One range for a packed adapter: (data [pages, width] of `dtype`, ranks [num_layers] int32), both
+        uninitialised; the data's tensor stands for the range (`copied`, `give_back`, `offset_of`). None, logged,
+        where they don't fit."""
+        data_bytes = _aligned(math.prod(shape) * _element_size(dtype))
+        start = self._take_range(data_bytes + num_layers * _element_size(torch.int32))
+        if start is None:
+            logger.debug("the pinned host arena has no room for %.1f MiB: an adapter stays in ordinary memory",
+                         data_bytes / 2**20)
+            return None
+        data = self._view(start, shape, dtype, finalize=True)
+        return data, self._view(start + data_bytes, (num_layers,), torch.int32, finalize=False)
+
+    def offset_of(self, tensor: torch.Tensor) -> int:
+        """Where `tensor` (from this arena) starts in it: in the shared file, for another process's mapping."""
+        return tensor.data_ptr() - self._base
 
     def copied(self, tensor: torch.Tensor, event) -> None:
         """A copy that reads `tensor`'s range was issued; `event` (a CUDA event) marks it done. A tensor from
@@ -153,3 +183,14 @@ class HostArena:
 
 def _element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+def _register(buffer: torch.Tensor) -> None:
+    """Page-lock `buffer`'s memory for CUDA (cudaHostRegister), so copies from it to the GPU are asynchronous."""
+    error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+    if error:
+        raise RuntimeError(f"pinning the host arena failed (cudaHostRegister: cudaError {error})")
+
+
+def _unregister(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)

@@ -3,23 +3,29 @@
 - registry: name -> source (a PEFT folder, or an adapter object given in memory); registering validates
   the adapter at once and records its rank (so the scheduler knows its pages before it is loaded).
 - host cache: adapters packed in page layout (on CUDA in the runtime's host arena, pinned once at start-up:
-  lora/host_arena.py), least recently used out when their bytes
-  exceed max_cpu_lora_memory (or their number max_cpu_loras). Folder adapters are read again when needed;
-  in-memory ones are packed again from their object. Pinned adapters stay.
+  lora/host_arena.py), least recently used out when their bytes exceed max_cpu_lora_memory (or their number
+  max_cpu_loras): first those that no waiting request needs before they are in the pool, then the others.
+  Folder adapters are read again when needed; in-memory ones are packed again from their object. Pinned
+  adapters stay.
 - GPU pool (lora/pool.py): an adapter a step needs is loaded into free pages, evicting the least recently
   used adapters with no request in flight, never a pinned one. Loads are copies on the runtime's load
   stream; the first step that uses an adapter waits for its copy on the device, never on the host.
-- reading (lora/reader.py): adapter folders are read, checked and packed by the reader, in a reader process
-  on CUDA (the engine's interpreter stays free for the steps), called from a worker thread here or from the
-  caller's thread (`load`). `close()` stops both.
-- load-ahead (`prefetch`): the adapters of waiting requests are read from disk on the worker thread and
+- reading (lora/reader.py): adapter folders are read, checked and packed by the reader, in reader processes
+  on CUDA (the engine's interpreter stays free for the steps), called from worker threads here (up to
+  `read_workers()` reads side by side with reader processes, one with the thread reader, whose reads hold the
+  interpreter lock) or from the caller's thread (`load`). `close()` stops both.
+- load-ahead (`prefetch`): the adapters of waiting requests are read from disk on the worker threads and
   copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
-  running or waiting request needs.
+  running or waiting request needs. Reads start only while the host cache has room for them beside the
+  adapters already read for waiting requests, so that nothing read ahead pushes out what waits to be used.
+- readiness (`is_ready`): an adapter in the pool or the host cache can be made resident at once; the
+  scheduler admits a request of another adapter only when its read is done, so no step waits for a read.
 - identity (`identity`): a number given to each registration, and again whenever the adapter's files are
   read in another version than before (`files_version`), never the name; the prefix cache keys K/V blocks by
   it, so weights that may differ never share cached blocks.
-- registration in the background (`start_register`, `collect_registrations`): a folder read on the worker
-  thread and registered when its read is done, for callers that must not wait for it.
+- registration in the background (`start_register`, `collect_registrations`): a folder read on a worker
+  thread and registered when its read is done, for callers that must not wait for it; such reads queue, first
+  come first served, and start under the same room rule as the load-ahead's.
 - refcounts: requests in flight per adapter. An unregistered adapter refuses new requests; its in-flight
   requests finish with the weights already loaded.
 """
@@ -40,7 +46,7 @@ from loraserve.config import LoRAConfig
 from loraserve.errors import InvalidRequestError, LoRAConflictError, UnknownLoRAError
 from loraserve.lora.adapter import LoRAAdapter, LoRAAdapterError
 from loraserve.lora.pool import PackedAdapter
-from loraserve.lora.reader import LoadedAdapter, ReaderSetup, make_reader
+from loraserve.lora.reader import LoadedAdapter, ProcessReader, ReaderSetup, make_reader
 from loraserve.lora.runtime import LoRARuntime
 
 logger = logging.getLogger(__name__)
@@ -48,6 +54,14 @@ logger = logging.getLogger(__name__)
 IN_MEMORY = "<in memory>"  # the path shown for adapters registered as objects
 IN_MEMORY_VERSION = (IN_MEMORY,)  # an adapter object's weights never change behind its name
 LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
+MAX_READ_WORKERS = 8  # adapters read side by side at most (reader processes)
+IDLE_WAIT_S = 0.01  # how long a step with nothing to run waits for a read
+
+
+def read_workers() -> int:
+    """Reads side by side with reader processes: one per two cores, 1 to MAX_READ_WORKERS (each reader process
+    runs one torch thread at a lower priority, so the engine's thread keeps its core)."""
+    return max(1, min(MAX_READ_WORKERS, (os.cpu_count() or 1) // 2))
 
 
 @dataclass
@@ -86,14 +100,17 @@ class LoRAManager:
         self._gpu: OrderedDict[str, int] = OrderedDict()  # resident adapter -> id, oldest use first
         self._copying: dict[int, torch.cuda.Event] = {}  # adapter id -> its load's event, until a step waits on it
         self._retired: dict[str, _Registered] = {}  # unregistered while requests were in flight
-        self._reading: dict[str, Future] = {}  # disk reads on the worker thread
-        self._registering: dict[str, tuple[str, Future]] = {}  # name -> (path, its read): start_register
+        self._reading: dict[str, Future] = {}  # disk reads on the worker threads (load-ahead)
+        self._registering: dict[str, tuple[str, Future]] = {}  # name -> (path, its read): started registrations
         # with tensor parallelism rank 0 cuts every rank's part from the adapter it read: on a thread here
         reader_kind = "thread" if runtime.tp.is_parallel else self.config.lora_reader
+        workers = read_workers()
         self._reader = make_reader(reader_kind,
                                    ReaderSetup(runtime.spec, self.config.max_lora_rank, runtime.packer),
-                                   runtime.host)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lora-load")
+                                   runtime.host, processes=workers)
+        self._read_slots = workers if isinstance(self._reader, ProcessReader) else 1
+        self._worker = ThreadPoolExecutor(max_workers=self._read_slots, thread_name_prefix="lora-load")
+        self._queued_registrations: OrderedDict[str, str] = OrderedDict()  # name -> path, not started yet
         self.num_loads = 0  # adapters read from disk (or packed) since start
         self.num_gpu_loads = 0
         self.num_gpu_evictions = 0
@@ -115,6 +132,14 @@ class LoRAManager:
         """The pool pages adapter `name` takes (registered or retired)."""
         entry = self._registry.get(name) or self._retired[name]
         return self.pool.pages_for(entry.rank)
+
+    def is_ready(self, name: str) -> bool:
+        """Whether a step may take adapter `name` without waiting for a read: it is in the pool or the host cache,
+        or its read failed (the step's `prepare` then raises the error, which fails its requests)."""
+        if name in self._gpu or name in self._cpu:
+            return True
+        future = self._reading.get(name)
+        return future is not None and future.done() and future.exception() is not None
 
     def identity(self, name: str) -> int:
         """What the weights adapter `name` (registered or retired) serves now stand for: a number no other
@@ -228,22 +253,51 @@ class LoRAManager:
             self.runtime.wait_for(self._copying.pop(adapter_id, None))
         return ids
 
-    def prefetch(self, names: list[str], protected: set[str]) -> None:
-        """Load ahead the adapters of waiting requests, in order (`names`, the first waiting first), while
+    def prefetch(self, names: list[str], protected: set[str], idle: bool = False) -> None:
+        """Load ahead the adapters of waiting requests, in order (`names`, the first to be admitted first), while
         the pool has room without evicting a protected adapter or one named here. Reads from disk go to the
-        worker thread; nothing here waits for a read or a copy."""
+        worker threads while the host cache has room for them (`_may_start_read`). Nothing here waits for a
+        read or a copy, unless `idle` (no step to run): then it waits up to IDLE_WAIT_S for a read to finish."""
+        if idle and self._reading:
+            futures.wait(list(self._reading.values()), IDLE_WAIT_S, futures.FIRST_COMPLETED)
         self._collect_reads()
         keep = protected | set(names) | self._pinned
+        pool_full = False  # once one adapter finds no room, those after it don't take room before it
         for name in names:
             if name in self._gpu or name not in self._registry:
                 continue
             packed = self._cpu.get(name)
             if packed is None:
-                self._start_read(name)
-                continue
-            if not self._make_room(self.pages_of(name), keep):
-                return
-            self._load_to_gpu(name, packed)
+                nbytes = self._read_bytes(self._entry(name).rank)
+                if name not in self._reading and self._may_start_read(nbytes, first=name == names[0]):
+                    self._start_read(name)
+            elif not pool_full and self._make_room(self.pages_of(name), keep):
+                self._load_to_gpu(name, packed)
+            else:
+                pool_full = True
+
+    def _read_bytes(self, rank: int) -> int:
+        """The host bytes an adapter of `rank` takes once read (all ranks' parts, with tensor parallelism)."""
+        return self.pool.pages_for(rank) * self.pool.page_bytes * self.runtime.tp.size
+
+    def _may_start_read(self, nbytes: int, first: bool = False) -> bool:
+        """Whether a read of `nbytes` may start: a worker is free, and the host cache's budget holds it beside the
+        reads in flight and the adapters read for waiting requests that are not in the pool yet (what it
+        would push out is then only what no waiting request needs first). When no read is in flight, the
+        adapter to be offered room first (`first`: the starving one, if any) is read whatever the budget, and so
+        is any adapter while none waits in the host cache: every wait stays bounded, whatever the budget."""
+        in_flight = sum(not f.done() for f in self._reading.values()) + len(self._registering)
+        if in_flight >= self._read_slots:
+            return False
+        waiting = sum(packed.nbytes for name, packed in self._cpu.items() if self._awaited(name))
+        if in_flight == 0 and (first or waiting == 0):
+            return True
+        estimate = self._read_bytes(self.config.max_lora_rank)  # an adapter being read: at most this
+        return waiting + in_flight * estimate + nbytes <= self.config.max_cpu_lora_memory * 2**30
+
+    def _awaited(self, name: str) -> bool:
+        """Whether requests wait for adapter `name` to come into the pool (its host copy is still to be used)."""
+        return self.refcounts.get(name, 0) > 0 and name not in self._gpu
 
     def _ensure_resident(self, name: str, protected: set[str]) -> int:
         adapter_id = self._gpu.get(name)
@@ -295,6 +349,7 @@ class LoRAManager:
         self.num_gpu_evictions += 1
 
     def _drop(self, name: str) -> None:
+        self._reading.pop(name, None)  # a read of it still running is not cached
         packed = self._cpu.pop(name, None)
         if packed is not None:
             self._cpu_bytes -= packed.nbytes
@@ -327,12 +382,11 @@ class LoRAManager:
             self._reading[name] = self._worker.submit(self._read, name, self._entry(name))
 
     def _collect_reads(self) -> None:
-        """Move finished worker-thread reads into the host cache (a failed one is read again when needed,
-        where its error reaches the requests)."""
-        for name in [n for n, f in self._reading.items() if f.done()]:
-            future = self._reading.pop(name)
-            if future.exception() is None and name in self._registry and name not in self._cpu:
-                loaded = future.result()
+        """Move finished worker-thread reads into the host cache. A failed one stays until a step takes its
+        adapter (`is_ready`), whose `prepare` raises its error."""
+        for name in [n for n, f in self._reading.items() if f.done() and f.exception() is None]:
+            loaded = self._reading.pop(name).result()
+            if name in self._registry and name not in self._cpu:
                 self._record_load(self._registry[name], loaded)
                 self._cache_on_cpu(name, loaded.packed)
 
@@ -354,7 +408,8 @@ class LoRAManager:
         budget = self.config.max_cpu_lora_memory * 2**30
         count = self.config.max_cpu_loras
         while self._cpu_bytes > budget or (count is not None and len(self._cpu) > count):
-            victim = next((n for n in self._cpu if n not in self._pinned and n != name), None)
+            candidates = [n for n in self._cpu if n not in self._pinned and n != name]  # oldest use first
+            victim = next((n for n in candidates if not self._awaited(n)), candidates[0] if candidates else None)
             if victim is None:
                 break
             dropped = self._cpu.pop(victim)
@@ -369,7 +424,12 @@ class LoRAManager:
         self._collect_reads()
         future = self._reading.pop(name, None)
         entry = self._entry(name)
-        loaded = future.result() if future is not None and future.exception() is None else self._read(name, entry)
+        error = future.exception() if future is not None else None  # waits for a read still running
+        if isinstance(error, LoRAAdapterError):
+            raise error
+        if error is not None:
+            raise LoRAAdapterError(name, f"can't be read ({type(error).__name__}: {error})") from error
+        loaded = future.result() if future is not None else self._read(name, entry)
         self._record_load(entry, loaded)
         self._cache_on_cpu(name, loaded.packed)
         return loaded.packed
@@ -383,14 +443,23 @@ class LoRAManager:
 
     # -- registration in the background -------------------------------------------------
     def start_register(self, name: str, path: str) -> None:
-        """Read `path` on the worker thread; `collect_registrations` registers it once read. Nothing is read
-        twice: a name already being registered in the background is left as it is."""
-        if name not in self._registering:
+        """Queue a read of `path` on a worker thread; `collect_registrations` registers it once read. Reads start
+        in the order queued, under the load-ahead's room rule. Nothing is read twice: a name already being
+        registered in the background is left as it is."""
+        if name not in self._registering and name not in self._queued_registrations:
+            self._queued_registrations[name] = path
+        self._start_registrations()
+
+    def _start_registrations(self) -> None:
+        estimate = self._read_bytes(self.config.max_lora_rank)  # its rank is known once it is read
+        while self._queued_registrations and self._may_start_read(estimate):
+            name, path = self._queued_registrations.popitem(last=False)
             self._registering[name] = (path, self._worker.submit(self.load, name, path))
 
     def collect_registrations(self, wait: float = 0.0) -> list[tuple[str, Exception | None]]:
         """Register the adapters whose background reads are done (waiting up to `wait` seconds for one when
         none is); returns (name, None) for each registered and (name, error) for each that could not be."""
+        self._start_registrations()
         if wait > 0 and self._registering and not any(f.done() for _, f in self._registering.values()):
             futures.wait([f for _, f in self._registering.values()], wait, futures.FIRST_COMPLETED)
         done = []
@@ -404,10 +473,11 @@ class LoRAManager:
                 done.append((name, exc))
             else:
                 done.append((name, None))
+        self._start_registrations()  # in the room the finished reads leave
         return done
 
     def close(self) -> None:
-        """Stop the worker thread (reads not started are dropped) and the reader; nothing is read after."""
+        """Stop the worker threads (reads not started are dropped) and the reader; nothing is read after."""
         self._worker.shutdown(wait=False, cancel_futures=True)
         self._reader.close()
         self._worker.shutdown(wait=True)

@@ -21,6 +21,7 @@ the same way.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -159,7 +160,9 @@ class LoRARuntime:
         if self.device.type == "cuda" and tp.rank == 0:
             start = time.perf_counter()
             headroom = 2 * self.pool.max_pages * self.pool.page_bytes  # adapters being read, not yet cached
-            self.host = HostArena(int(config.max_cpu_lora_memory * 2**30) + headroom)
+            # shared where it can be, so that reader processes pack straight into it (lora/reader.py)
+            self.host = HostArena(int(config.max_cpu_lora_memory * 2**30) + headroom,
+                                  shared=hasattr(os, "memfd_create"))
             logger.info("LoRA host cache: %.2f GiB of pinned memory (%.1f s)", self.host.nbytes / 2**30,
                         time.perf_counter() - start)
 

@@ -21,12 +21,16 @@ class FakeRoom:
         self._pages = dict(pages or {})
         self.pinned = frozenset(pinned)
         self.identities = {}
+        self.unread = set()  # adapters still being read (not ready)
 
     def pages_of(self, name):
         return self._pages.get(name, 1)
 
     def identity(self, name):
         return self.identities.setdefault(name, len(self.identities))
+
+    def is_ready(self, name):
+        return name not in self.unread
 
 
 def _seq(i, prompt_len, max_tokens, lora=None):
@@ -261,3 +265,37 @@ def test_waiting_loras_lists_the_adapters_to_load_ahead():
     assert [item.seq.request_id for item in ran] == ["r1"]
     assert sched.waiting_loras(limit=2) == ["c", "a"]  # "b" runs; "c" has two requests; "a" came before "d"
     assert sched.waiting_loras(limit=10) == ["c", "a", "d"]
+
+
+def test_a_request_whose_adapter_is_being_read_never_blocks_the_requests_behind_it():
+    """No step waits for a read: a request of an adapter not yet in the pool or the host cache is passed over
+    (the requests behind it run) and admitted in the first step after its read is done."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    room = FakeRoom()
+    room.unread = {"cold"}
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=4), room)
+    for seq in (_seq(0, 4, 4, "cold"), _seq(1, 4, 4, "warm"), _seq(2, 4, 4)):
+        sched.add(seq)
+    assert {item.seq.request_id for item in sched.schedule().scheduled} == {"r1", "r2"}
+    assert sched.waiting_loras(limit=4) == ["cold"]  # what the manager reads ahead
+    assert "r0" not in {item.seq.request_id for item in sched.schedule().scheduled}  # still being read
+    room.unread.clear()
+    assert "r0" in {item.seq.request_id for item in sched.schedule().scheduled}
+
+
+def test_the_starving_adapter_is_read_first():
+    """Adapters are read ahead in waiting_loras' order: once the oldest waiting request has waited
+    max_wait_steps, its adapter comes first there, before adapters with more waiting requests."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    room = FakeRoom()
+    room.unread = {"old", "many"}
+    sched = Scheduler(config, BlockManager(64, 8), LoRAConfig(max_loras=4, max_wait_steps=3), room)
+    sched.add(_seq(0, 4, 4, "old"))
+    for i in range(1, 4):
+        sched.add(_seq(i, 4, 4, "many"))
+    sched.schedule()
+    assert sched.waiting_loras(limit=4) == ["many", "old"]  # the most waiting requests first
+    for _ in range(3):
+        sched.schedule()
+    assert sched.waiting_loras(limit=4) == ["old", "many"]  # "old" has waited max_wait_steps
+    assert sched.waiting_loras(limit=1) == ["old"]

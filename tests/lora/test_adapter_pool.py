@@ -176,3 +176,35 @@ def test_the_manager_never_leaks_pages_under_random_events():
     running.clear()
     check()
     assert not manager.refcounts
+
+
+def test_reads_ahead_stop_at_the_host_caches_room_and_push_out_nothing_awaited():
+    """Eight waiting adapters, a pool of two and a host cache of about three and a half: the load-ahead puts two
+    in the pool and reads three more, then stops (a fourth would push out one that a waiting request still
+    needs); every adapter read is then in the pool or the host cache, never read twice. Once the pool's two
+    are evicted for others, the reads go on."""
+    probe = LoRAManager(tiny_runtime(max_loras=4, max_rank=16))
+    one = probe._read_bytes(16)
+    pages = 2 * probe.pool.pages_for(16)
+    probe.close()
+    runtime = tiny_runtime(max_loras=4, max_rank=16, pages=pages, max_cpu_lora_memory=3.5 * one / 2**30)
+    manager = LoRAManager(runtime)
+    names = [f"a{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        manager.register_adapter(name, random_adapter(runtime.spec, name, 16, seed=i))
+        manager.acquire(name)  # a waiting request
+    try:
+        for _ in range(50):
+            manager.prefetch(names, protected=set(), idle=True)
+        assert len(manager.resident_on_gpu) == 2
+        read = set(manager.resident_on_gpu) | set(manager.resident_on_cpu)
+        assert manager.num_loads == len(read) == 5, (manager.num_loads, read)
+        assert all(manager.is_ready(n) for n in read) and not any(manager.is_ready(n) for n in set(names) - read)
+        for name in list(manager.resident_on_gpu):  # their requests ran and finished
+            manager.release(name)
+        manager.prepare(set(names[2:4]), running=set())  # two others come into the pool
+        for _ in range(50):
+            manager.prefetch(names[4:], protected=set(names[2:4]), idle=True)
+        assert manager.num_loads == 7  # two more read: the room the pool's new adapters left in the host cache
+    finally:
+        manager.close()

@@ -1,13 +1,14 @@
 """The adapter readers (loraserve.lora.reader): the reader process packs exactly what the thread reader packs,
 gives every validation error with the same message and logs the same warnings; a reader process that dies is
-replaced, one that can't start or hangs fails the read with a clear error, and closing or dropping the reader
-ends its process. Through an engine (CPU, process reader): adapters from a lora root serve the same tokens,
+replaced, one that can't start or hangs fails the read with a clear error, reads from several threads run in
+reader processes of their own, and closing or dropping the reader ends its processes. Through an engine (CPU, process reader): adapters from a lora root serve the same tokens,
 a broken one fails alone, and `close()` ends the reader process."""
 from __future__ import annotations
 
 import gc
 import logging
 import os
+import threading
 import time
 
 import pytest
@@ -154,7 +155,7 @@ def test_a_dead_reader_process_is_replaced(base, spec, tmp_path):  # noqa: F811
     reader = ProcessReader(setup_for(spec), host=None)
     try:
         first = reader.read("a", folder)
-        old = reader._children[0].proc
+        old = reader.processes[0]
         old.kill()
         old.wait()
         again = reader.read("a", folder)  # the send or the reply finds it dead: a new one reads it
@@ -182,7 +183,7 @@ def test_a_reader_process_that_cannot_start_or_hangs_fails_the_read(base, spec, 
     monkeypatch.setattr(reader_module, "_POLL_S", 0.05)
     setup = setup_for(spec)
     hanging = ProcessReader(ReaderSetup(Hang(), setup.max_lora_rank, setup.packer), host=None)
-    proc = hanging._children[0].proc
+    proc = hanging.processes[0]
     with pytest.raises(AdapterReaderError, match="took over 1 s starting and was stopped"):
         hanging.read("a", folder)
     assert proc.poll() is not None  # stopped, not left behind
@@ -190,13 +191,43 @@ def test_a_reader_process_that_cannot_start_or_hangs_fails_the_read(base, spec, 
         hanging.close() or hanging.read("a", folder)
 
 
+def test_reads_from_several_threads_run_side_by_side_in_processes_of_their_own(base, spec, tmp_path):  # noqa: F811
+    """Two reads at once (each thread held inside the read until the other has started its own) run in the
+    reader's two processes, with the results the thread reader gives; close ends both."""
+    folder = save_lora(base, tmp_path)
+    reader = ProcessReader(setup_for(spec), host=None, processes=2)
+    expected = ThreadReader(setup_for(spec), host=None).read("a", folder).packed.data
+    try:
+        inside = threading.Barrier(2, timeout=60)
+        original = reader._read
+
+        def read_meeting_the_other(slot, name, path):
+            inside.wait()  # both reads hold a reader process before either reads
+            return original(slot, name, path)
+
+        reader._read = read_meeting_the_other
+        results = [None, None]
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, reader.read(f"t{i}", folder)))
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert all(torch.equal(r.packed.data, expected) for r in results)
+        procs = reader.processes
+        assert len(procs) == 2 and len({p.pid for p in procs}) == 2
+    finally:
+        reader.close()
+    assert all(p.poll() is not None for p in procs)
+
+
 def test_close_and_collection_end_the_reader_process(spec):
     reader = ProcessReader(setup_for(spec), host=None)
-    proc = reader._children[0].proc
+    proc = reader.processes[0]
     reader.close()
     assert proc.poll() is not None
     dropped = ProcessReader(setup_for(spec), host=None)
-    proc = dropped._children[0].proc
+    proc = dropped.processes[0]
     del dropped
     gc.collect()
     assert proc.wait(timeout=5) is not None
@@ -213,12 +244,46 @@ def test_make_reader_picks_the_process_only_where_there_is_a_host_arena(spec):
         make_reader("fork", setup, host=None)
 
 
+def test_reader_processes_pack_straight_into_a_shared_arena(base, spec, tmp_path):  # noqa: F811
+    """With a shared host arena the reader processes pack into ranges of it (the engine's process copies
+    nothing): the pages and ranks equal the thread reader's, also in a range used before (zeroed first: a
+    smaller adapter after a bigger one), and a read that finds no room arrives in its own memory, equal too."""
+    big = save_lora(base, tmp_path / "big", r=16, target_modules=list(MODULES))
+    small = save_lora(base, tmp_path / "small", r=4, target_modules=["q_proj", "down_proj"])
+    setup = setup_for(spec)
+    thread = ThreadReader(setup, host=None)
+    expected = {folder: thread.read("x", folder).packed for folder in (big, small)}
+    one = expected[big].data.numel() * expected[big].data.element_size() + 4096  # a big adapter's range at most
+    host = HostArena(2 * one, pin=False, shared=True)
+    process = ProcessReader(setup, host, processes=2)
+
+    def in_arena(packed):
+        return 0 <= host.offset_of(packed.data) < host.nbytes and 0 <= host.offset_of(packed.ranks) < host.nbytes
+
+    try:
+        first = process.read("a", big).packed
+        assert in_arena(first)
+        assert torch.equal(first.data, expected[big].data) and torch.equal(first.ranks, expected[big].ranks)
+        host.give_back(first.data)
+        held = []
+        for folder in (small, big):  # the small one where the first big one was, the second big one after it
+            held.append(process.read("b", folder).packed)
+            assert torch.equal(held[-1].data, expected[folder].data)
+            assert torch.equal(held[-1].ranks, expected[folder].ranks) and in_arena(held[-1])
+        held.append(process.read("c", big).packed)
+        assert not in_arena(held[-1])  # no room left: its own memory
+        assert torch.equal(held[-1].data, expected[big].data) and torch.equal(held[-1].ranks, expected[big].ranks)
+    finally:
+        process.close()
+
+
 @pytest.mark.gpu
 def test_pinned_reads_on_cuda(base, spec, tmp_path):  # noqa: F811
-    """With a pinned host arena, the reader process's and the thread's pages arrive in it, equal."""
+    """With a pinned host arena (shared and registered with CUDA, as the runtime makes it), the reader process's
+    and the thread's pages arrive in it, equal."""
     folder = save_lora(base, tmp_path, r=16, target_modules=list(MODULES))
     setup = setup_for(spec)
-    host = HostArena(2**24)
+    host = HostArena(2**24, shared=True)
     process = make_reader("auto", setup, host)
     try:
         assert isinstance(process, ProcessReader)
@@ -259,7 +324,7 @@ def test_an_engine_with_the_reader_process_serves_the_same_tokens(root):
     assert got == expected and expected[0] != expected[2] and expected[1] != expected[2]
     with pytest.raises(LoRAAdapterError, match="'broken'.*cannot read adapter_model.safetensors"):
         process.generate(prompts[0], GREEDY, LoRARequest("broken"), use_tqdm=False)
-    proc = process.engine.lora_manager.reader._children[0].proc
+    proc = process.engine.lora_manager.reader.processes[0]
     process.engine.shutdown()
     assert proc.poll() is not None
 

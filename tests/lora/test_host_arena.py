@@ -3,6 +3,7 @@ copies' events, collected when dropped, never overlapping, never lost."""
 from __future__ import annotations
 
 import gc
+import mmap
 import random
 
 import torch
@@ -133,3 +134,18 @@ def test_random_takes_and_gives_never_overlap_or_leak():
     for event in copies:
         event.done = True
     assert arena.free_bytes == arena.nbytes and arena._free == [(0, arena.nbytes)]
+
+
+def test_a_shared_arena_is_one_file_another_mapping_sees():
+    """A shared arena's bytes are its file's: what another mapping of `fd` writes at `offset_of(t)` is what `t`
+    holds (how the reader processes pack into it), and take_packed's data and ranks lie in one range."""
+    arena = HostArena(8 * ALIGN_BYTES, pin=False, shared=True)
+    data, ranks = arena.take_packed((2, 8), torch.float32, 3)
+    other = torch.frombuffer(mmap.mmap(arena.fd, arena.nbytes, flags=mmap.MAP_SHARED), dtype=torch.uint8)
+    written = torch.arange(16, dtype=torch.float32).view(2, 8)
+    offset = arena.offset_of(data)
+    other[offset:offset + written.numel() * 4].view(torch.float32).view(2, 8).copy_(written)
+    assert torch.equal(data, written)
+    assert arena.offset_of(ranks) == offset + ALIGN_BYTES  # 64 bytes of data, aligned, then the ranks
+    arena.give_back(data)
+    assert arena.free_bytes == arena.nbytes

@@ -84,9 +84,9 @@ def test_a_name_removed_and_added_again_with_other_weights_serves_the_new_ones(s
 
 def test_adapter_files_changed_on_disk_while_out_of_the_caches_serve_the_new_weights(setup, tmp_path):
     """One adapter in the GPU pool and one in the host cache: running "b" pushes "x" out of both; then the
-    files of "x" change. The next request of "x" starts with the cached blocks of the old read, the step reads
-    "x" again, and the request starts over under the new read's identity: its output is PEFT's of the new
-    files, not a mix."""
+    files of "x" change. The next request of "x" waits for "x" to be read again (no step waits for a read) and
+    starts under the new read's identity: none of the old read's cached blocks is used, nothing starts over,
+    and its output is PEFT's of the new files, not a mix."""
     folder, adapters, peft = setup
     live = tmp_path / "x"
     shutil.copytree(adapters["a"], live)
@@ -104,8 +104,12 @@ def test_adapter_files_changed_on_disk_while_out_of_the_caches_serve_the_new_wei
     shutil.rmtree(live)
     shutil.copytree(adapters["c"], live)
     restarts = llm.engine.scheduler.num_preemptions
-    outs, _ = _generate(llm, [prompt], ["x"])
-    assert llm.engine.scheduler.num_preemptions == restarts + 1, "the request was meant to start over"
+    outs, hits = _generate(llm, [prompt], ["x"])
+    assert hits == 0, "blocks of the old weights were used"
+    assert llm.engine.scheduler.num_preemptions == restarts
+    _check(peft, prompt, outs[0], "c")
+    outs, hits = _generate(llm, [prompt], ["x"])  # the new read's blocks are found again
+    assert hits > 0
     _check(peft, prompt, outs[0], "c")
 
 
