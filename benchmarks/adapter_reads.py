@@ -30,7 +30,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import bench_common as bc  # noqa: E402
-from cold_start import write_peft_folder  # noqa: E402
 from loraserve import SamplingParams  # noqa: E402
 from loraserve.config import EngineArgs, LoRAConfig  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
@@ -126,7 +125,7 @@ def main(argv=None) -> int:
         for i in range(2):
             adapter = random_adapter(setup.spec, f"w{i}", args.rank, seed=args.seed + i).to(dtype=torch.bfloat16)
             folders.append(os.path.join(root, f"w{i}"))
-            write_peft_folder(folders[-1], adapter, args.rank)
+            bc.write_peft_folder(folders[-1], adapter, args.rank)
             del adapter
         readers = {"thread": ThreadReader(setup, None), "process": ProcessReader(setup, None)}
         for reader in readers.values():  # the reader process started, and the files in the page cache

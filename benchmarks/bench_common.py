@@ -8,8 +8,8 @@ many_adapters.py).
   context length without a real prefill. It reaches into engine internals (it sets
   `Sequence.num_computed_tokens` of waiting sequences and writes random values
   into `runner.attn_layers[i].k_cache/v_cache`), so it must follow changes there;
-- synthetic adapters registered under many names (weights repeating every DISTINCT_WEIGHTS names),
-  Poisson arrival times;
+- synthetic adapters registered under many names (weights repeating every DISTINCT_WEIGHTS names), or
+  written as PEFT folders (`write_peft_folder`, `link_peft_folder`), Poisson arrival times;
 - step timing, tables, pass/fail checks, JSON and PNG output.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
 import time
 import warnings
@@ -32,9 +33,13 @@ import torch.multiprocessing
 from loraserve import LoRARequest, SamplingParams
 from loraserve.distributed import ParallelGroup, host_store, join_store
 from loraserve.lora.synthetic import random_adapter
+from safetensors.torch import save_file
 from loraserve.models.loader import open_model
 
 DISTINCT_WEIGHTS = 8  # adapters with distinct random weights; names beyond repeat them (generating is slow)
+PEFT_FILES = ("adapter_model.safetensors", "adapter_config.json")
+_MODULE_PATH = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}  # of the Llama family
 
 
 # -- arguments ---------------------------------------------------------------------------
@@ -219,6 +224,33 @@ def adapter_bytes(adapter, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     tensors = {id(t): t for pair in adapter.weights.values() for t in pair}
     return sum(t.numel() for t in tensors.values()) * elem
+
+
+def write_peft_folder(folder: str, adapter, rank: int) -> None:
+    """`adapter` (loraserve.lora.adapter.LoRAAdapter of a Llama-family model, scaling 1 folded in B) as a PEFT
+    folder: alpha = rank, target_modules = the modules it has."""
+    os.makedirs(folder, exist_ok=True)
+    tensors = {}
+    for (layer, module), (a, b) in adapter.weights.items():
+        key = f"base_model.model.model.layers.{layer}.{_MODULE_PATH[module]}.{module}"
+        tensors[f"{key}.lora_A.weight"] = a.contiguous()  # [r, in]
+        tensors[f"{key}.lora_B.weight"] = b.contiguous()  # [out, r]
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    targets = sorted({module for _, module in adapter.weights})
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": targets}
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def link_peft_folder(source: str, folder: str) -> None:
+    """A PEFT folder at `folder` with the files of `source`, hard-linked where the file system allows (another
+    name for the same weights: the engine reads it as its own adapter), else copied."""
+    os.makedirs(folder, exist_ok=True)
+    for name in PEFT_FILES:
+        try:
+            os.link(os.path.join(source, name), os.path.join(folder, name))
+        except OSError:
+            shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
 
 
 def decode_floor(engine, batch: int, mean_context: float, extra_bytes: int, bandwidth: float) -> dict:

@@ -23,7 +23,6 @@ adapters are random (rank --rank on all seven projections) and written to a temp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -35,17 +34,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
 
 import numpy as np  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
 
 import bench_common as bc  # noqa: E402
 from loraserve import SamplingParams  # noqa: E402
 from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.request import LoRARequest  # noqa: E402
-from loraserve.lora.synthetic import ALL_TARGETS, random_adapter  # noqa: E402
+from loraserve.lora.synthetic import random_adapter  # noqa: E402
 
 ITL_P99_LIMIT = 1.10  # cold / warm ITL p99 of the requests already running
-_MODULE_PATH = {m: ("self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp") for m in ALL_TARGETS}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,20 +63,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.hot_output <= args.new_adapters * args.interval + 2 * args.interval:
         p.error("--hot-output must outlast the arrival window (new adapters x interval steps)")
     return args
-
-
-def write_peft_folder(folder: str, adapter, rank: int) -> None:
-    """`adapter` (loraserve.lora.adapter.LoRAAdapter, scaling 1 folded in B) as a PEFT folder: alpha = rank."""
-    os.makedirs(folder, exist_ok=True)
-    tensors = {}
-    for (layer, module), (a, b) in adapter.weights.items():
-        key = f"base_model.model.model.layers.{layer}.{_MODULE_PATH[module]}.{module}"
-        tensors[f"{key}.lora_A.weight"] = a.contiguous()  # [r, in]
-        tensors[f"{key}.lora_B.weight"] = b.contiguous()  # [out, r]
-    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": list(ALL_TARGETS)}
-    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
-        json.dump(config, f)
 
 
 def hot_itls(stamps: dict[str, list[float]], start: float, end: float) -> list[float]:
@@ -184,7 +167,7 @@ def main(argv=None) -> int:
         made = [random_adapter(spec, f"w{i}", args.rank, seed=args.seed + i) for i in range(2)]
         for variant in ("warm", "cold"):
             for j in range(args.new_adapters):
-                write_peft_folder(os.path.join(root, f"{variant}-{j}"), made[j % len(made)], args.rank)
+                bc.write_peft_folder(os.path.join(root, f"{variant}-{j}"), made[j % len(made)], args.rank)
         engine.lora_manager.register_adapter("hot", made[0])
         warm_up(engine, args, made[1], os.path.join(root, "warm-0"), rng)
         report["runs"]["cold"] = run_window(engine, args, "cold", root, rng)

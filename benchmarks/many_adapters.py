@@ -19,9 +19,13 @@ their adapter loads included:
 - fairness: 90 % of the requests for one hot adapter, 10 % over 200 cold ones
   (rank 16, all projections), Poisson arrivals (--request-rate, default 200/s).
 
-Every name is its own adapter to the engine (own registration, host cache
-entry, pool pages and host-to-device copy); the weights repeat every 8 names
-of a rank (random generation is slow). The engine's scheduler is wrapped to
+Every name is its own adapter to the engine: a PEFT folder under the
+engine's --lora-root, read from disk by the engine on its first request (load
+on first request, as a server with thousands of adapters runs), with its own
+registration, host cache entry, pool pages and host-to-device copy; the
+weights repeat every 8 names of a rank (random generation is slow: the
+folders of one weights share their files through hard links, and the page
+cache holds them). The engine's scheduler is wrapped to
 record each launched step. Per run: output tok/s, engine steps, mean decode
 batch (sequences decoding in the steps that decode) and their ratios to base,
 mean distinct adapters per step, the run's floor and achieved/floor, adapter
@@ -50,7 +54,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -244,33 +251,34 @@ def run_floor(engine, steps: list[StepRecord], adapter_sizes: dict[str, int], ce
     return total
 
 
-def adapter_weights(made: dict, engine, rank: int, targets: tuple[str, ...], j: int, seed: int):
-    """The j-th distinct random adapter of (rank, targets) in the engine's dtype, made once and kept in `made`
-    (so that registering it again shares its tensors)."""
+def weights_folder(made: dict, engine, rank: int, targets: tuple[str, ...], j: int, seed: int) -> tuple[str, int]:
+    """The PEFT folder of the j-th distinct random adapter of (rank, targets) in the engine's dtype and its bytes
+    (A + B), written once under made["dir"] and kept in `made`."""
     key = (rank, targets, j)
     if key not in made:
         runtime = engine.lora_manager.runtime
-        made[key] = random_adapter(runtime.spec, f"r{rank}-{len(targets)}t-{j}", rank, targets,
-                                   seed=seed + 1000 * rank + 100 * len(targets) + j).to(dtype=runtime.dtype)
+        adapter = random_adapter(runtime.spec, f"r{rank}-{len(targets)}t-{j}", rank, targets,
+                                 seed=seed + 1000 * rank + 100 * len(targets) + j).to(dtype=runtime.dtype)
+        folder = os.path.join(made["dir"], "weights", f"r{rank}-{len(targets)}t-{j}")
+        bc.write_peft_folder(folder, adapter, rank)
+        made[key] = folder, bc.adapter_bytes(adapter, runtime.dtype)
     return made[key]
 
 
-def register_adapters(engine, scenario: Scenario, made: dict, seed: int) -> tuple[dict[str, int], list[str]]:
-    """Register the scenario's adapters lora-0.. (weights repeat every DISTINCT_WEIGHTS names of a rank) and
-    one warm-up adapter per rank; returns each name's bytes (A + B in the model dtype) and the warm-up names."""
-    dtype = engine.config.model.dtype
+def adapter_folders(engine, scenario: Scenario, made: dict, root: str, seed: int) -> tuple[dict[str, int], list[str]]:
+    """The scenario's adapters as folders lora-0.. under `root` (their files linked to weights that repeat every
+    DISTINCT_WEIGHTS names of a rank) and one warm-up adapter per rank, for the engine to load on first
+    request; returns each name's bytes (A + B in the model dtype) and the warm-up names."""
     sizes, warmup = {}, []
     for rank in sorted(set(scenario.ranks)):
         name = f"warmup-r{rank}"
-        adapter = adapter_weights(made, engine, rank, scenario.targets, 0, seed)
-        engine.lora_manager.register_adapter(name, adapter)
-        sizes[name] = bc.adapter_bytes(adapter, dtype)
+        folder, sizes[name] = weights_folder(made, engine, rank, scenario.targets, 0, seed)
+        bc.link_peft_folder(folder, os.path.join(root, name))
         warmup.append(name)
     for i in range(scenario.num_adapters):
         j = (i // len(scenario.ranks)) % bc.DISTINCT_WEIGHTS
-        adapter = adapter_weights(made, engine, scenario.rank_of(i), scenario.targets, j, seed)
-        engine.lora_manager.register_adapter(f"lora-{i}", adapter)
-        sizes[f"lora-{i}"] = bc.adapter_bytes(adapter, dtype)
+        folder, sizes[f"lora-{i}"] = weights_folder(made, engine, scenario.rank_of(i), scenario.targets, j, seed)
+        bc.link_peft_folder(folder, os.path.join(root, f"lora-{i}"))
     return sizes, warmup
 
 
@@ -304,8 +312,11 @@ def run_engine(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, 
                picks: np.ndarray | None = None) -> dict:
     """Build one engine (base if scenario is None; request i then names adapter picks[i]), warm it up, replay
     the trace; the engine is freed on return."""
+    root = os.path.join(made["dir"], scenario.name) if scenario else None  # its adapters, loaded on first request
+    if root is not None:
+        os.makedirs(root)
     lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=max(scenario.ranks),
-                        lora_gpu_memory=args.lora_gpu_memory) if scenario else {}
+                        lora_gpu_memory=args.lora_gpu_memory, lora_root=root) if scenario else {}
     t0 = time.perf_counter()
     engine = LLMEngine.from_args(EngineArgs(
         args.model, device=device, dtype=args.dtype, max_model_len=args.prompt_len[1] + args.output_len[1] + 1,
@@ -316,8 +327,8 @@ def run_engine(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, 
     sizes, warmup_names, names, classes = {}, [], [None] * len(trace.prompts), ["all"] * len(trace.prompts)
     if scenario:
         t0 = time.perf_counter()
-        sizes, warmup_names = register_adapters(engine, scenario, made, args.seed)
-        info["adapter_setup_seconds"] = time.perf_counter() - t0  # making (first use) and registering them
+        sizes, warmup_names = adapter_folders(engine, scenario, made, root, args.seed)
+        info["adapter_setup_seconds"] = time.perf_counter() - t0  # writing (first use) and linking their folders
         names = [f"lora-{i}" for i in picks]
         classes = [scenario.popularity_class(int(i)) for i in picks]
     warm_up(engine, args, [None] + warmup_names, rng)
@@ -347,11 +358,14 @@ def run_engine(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, 
         "gpu_loads": after.lora_gpu_loads - before.lora_gpu_loads,
         "gpu_evictions": after.lora_gpu_evictions - before.lora_gpu_evictions,
         "host_loads": after.lora_loads - before.lora_loads,
+        "read_seconds_p50": float(np.median(engine.lora_manager.recent_load_seconds)) if scenario else None,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
         **latency(trace, times, classes)}
     del engine, steps
     bc.release_memory()
+    if root is not None:
+        shutil.rmtree(root)
     return result
 
 
@@ -401,7 +415,8 @@ def print_results(runs: dict[str, dict], args, device) -> None:
         print(f"  {name}: {arrivals}, {r['elapsed_s']:.2f} s, floor {floor['floor_s']:.3f} s (bytes "
               f"{floor['byte_floor_s']:.3f} s of which adapters {floor['adapter_bytes'] / max(floor['bytes'], 1):.1%}, "
               f"FLOPs {floor['flop_floor_s']:.3f} s), mean batch {r['mean_batch']:.1f}, "
-              f"{r['preemptions']} preemptions, {r['host_loads']} host cache loads")
+              f"{r['preemptions']} preemptions, {r['host_loads']} host cache loads"
+              + (f" (read p50 {r['read_seconds_p50']:.3f} s)" if r["read_seconds_p50"] is not None else ""))
     bc.print_engines({name: r["engine"] for name, r in runs.items()}, with_kv_blocks=True)
 
 
@@ -446,6 +461,22 @@ def plot(runs: dict[str, dict], args) -> None:
              ylabel="output tokens/s", series=series, logx=True)])
 
 
+def run_all(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, runs: dict, report: dict) -> None:
+    """The base run, then one run per scenario (the JSON written after each)."""
+    runs["base"] = run_engine(args, device, trace, made, ceilings, rng)
+    for name in args.scenarios:
+        scenario = make_scenario(name, args.quick)
+        picks = scenario.picks(np.random.default_rng([args.seed, SCENARIOS.index(name)]), args.num_requests)
+        run_trace = trace
+        if scenario.dist == "fairness" and args.request_rate is None:  # its own Poisson arrivals
+            arrivals_rng = np.random.default_rng([args.seed, len(SCENARIOS)])
+            run_trace = trace._replace(arrivals=bc.poisson_arrivals(arrivals_rng, FAIRNESS_RATE, args.num_requests),
+                                       rate=FAIRNESS_RATE)
+        print(f"{name}: {scenario.num_adapters} adapters, ranks {scenario.ranks}, {len(scenario.targets)} targets")
+        runs[name] = run_engine(args, device, run_trace, made, ceilings, rng, scenario, picks)
+        bc.write_json(args.out, "many_adapters.json", report)  # partial
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = bc.bench_device(args.device)
@@ -459,22 +490,15 @@ def main(argv=None) -> int:
     print(f"copy bandwidth (read + write) {ceilings.bandwidth / 1e9:.0f} GB/s, GEMM {ceilings.gemm_rate / 1e12:.2f} "
           f"TFLOP/s on {device}; scenarios {','.join(args.scenarios)}"
           + (f" (--quick: at most {QUICK_MAX_ADAPTERS} adapters each)" if args.quick else ""))
-    runs, checks, made = {}, [], {}  # made: (rank, targets, j) -> random adapter, shared by the engines
+    made = {"dir": tempfile.mkdtemp(prefix="many-adapters-")}  # and (rank, targets, j) -> (its folder, bytes)
+    runs, checks = {}, []
     report = {"benchmark": "many_adapters", "args": vars(args), "env": bc.environment(device),
               "bandwidth_bytes_per_s": ceilings.bandwidth, "gemm_flop_per_s": ceilings.gemm_rate,
               "runs": runs, "checks": checks}
-    runs["base"] = run_engine(args, device, trace, made, ceilings, rng)
-    for name in args.scenarios:
-        scenario = make_scenario(name, args.quick)
-        picks = scenario.picks(np.random.default_rng([args.seed, SCENARIOS.index(name)]), args.num_requests)
-        run_trace = trace
-        if scenario.dist == "fairness" and args.request_rate is None:  # its own Poisson arrivals
-            arrivals_rng = np.random.default_rng([args.seed, len(SCENARIOS)])
-            run_trace = trace._replace(arrivals=bc.poisson_arrivals(arrivals_rng, FAIRNESS_RATE, args.num_requests),
-                                       rate=FAIRNESS_RATE)
-        print(f"{name}: {scenario.num_adapters} adapters, ranks {scenario.ranks}, {len(scenario.targets)} targets")
-        runs[name] = run_engine(args, device, run_trace, made, ceilings, rng, scenario, picks)
-        bc.write_json(args.out, "many_adapters.json", report)  # partial
+    try:
+        run_all(args, device, trace, made, ceilings, rng, runs, report)
+    finally:
+        shutil.rmtree(made["dir"])
     add_ratios(runs)
     print_results(runs, args, device)
     checks += make_checks(runs)
