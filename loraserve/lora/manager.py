@@ -262,15 +262,19 @@ class LoRAManager:
             futures.wait(list(self._reading.values()), IDLE_WAIT_S, futures.FIRST_COMPLETED)
         self._collect_reads()
         keep = protected | set(names) | self._pinned
+        in_flight, awaited = self._read_state()
         pool_full = False  # once one adapter finds no room, those after it don't take room before it
         for name in names:
             if name in self._gpu or name not in self._registry:
                 continue
             packed = self._cpu.get(name)
             if packed is None:
+                if name in self._reading or in_flight >= self._read_slots:
+                    continue
                 nbytes = self._read_bytes(self._entry(name).rank)
-                if name not in self._reading and self._may_start_read(nbytes, first=name == names[0]):
+                if self._may_start_read(nbytes, in_flight, awaited, first=name == names[0]):
                     self._start_read(name)
+                    in_flight += 1
             elif not pool_full and self._make_room(self.pages_of(name), keep):
                 self._load_to_gpu(name, packed)
             else:
@@ -280,20 +284,24 @@ class LoRAManager:
         """The host bytes an adapter of `rank` takes once read (all ranks' parts, with tensor parallelism)."""
         return self.pool.pages_for(rank) * self.pool.page_bytes * self.runtime.tp.size
 
-    def _may_start_read(self, nbytes: int, first: bool = False) -> bool:
-        """Whether a read of `nbytes` may start: a worker is free, and the host cache's budget holds it beside the
-        reads in flight and the adapters read for waiting requests that are not in the pool yet (what it
-        would push out is then only what no waiting request needs first). When no read is in flight, the
-        adapter to be offered room first (`first`: the starving one, if any) is read whatever the budget, and so
-        is any adapter while none waits in the host cache: every wait stays bounded, whatever the budget."""
+    def _read_state(self) -> tuple[int, int]:
+        """(reads in flight, host cache bytes of adapters that waiting requests need in the pool)."""
         in_flight = sum(not f.done() for f in self._reading.values()) + len(self._registering)
+        return in_flight, sum(packed.nbytes for name, packed in self._cpu.items() if self._awaited(name))
+
+    def _may_start_read(self, nbytes: int, in_flight: int, awaited: int, first: bool = False) -> bool:
+        """Whether a read of `nbytes` may start beside `in_flight` reads and `awaited` bytes (`_read_state`): a
+        worker is free, and the host cache's budget holds it beside the reads in flight and the adapters read for
+        waiting requests that are not in the pool yet (what it would push out is then only what no waiting
+        request needs first). When no read is in flight, the adapter to be offered room first (`first`: the
+        starving one, if any) is read whatever the budget, and so is any adapter while none waits in the host
+        cache: every wait stays bounded, whatever the budget."""
         if in_flight >= self._read_slots:
             return False
-        waiting = sum(packed.nbytes for name, packed in self._cpu.items() if self._awaited(name))
-        if in_flight == 0 and (first or waiting == 0):
+        if in_flight == 0 and (first or awaited == 0):
             return True
         estimate = self._read_bytes(self.config.max_lora_rank)  # an adapter being read: at most this
-        return waiting + in_flight * estimate + nbytes <= self.config.max_cpu_lora_memory * 2**30
+        return awaited + in_flight * estimate + nbytes <= self.config.max_cpu_lora_memory * 2**30
 
     def _awaited(self, name: str) -> bool:
         """Whether requests wait for adapter `name` to come into the pool (its host copy is still to be used)."""
@@ -452,9 +460,11 @@ class LoRAManager:
 
     def _start_registrations(self) -> None:
         estimate = self._read_bytes(self.config.max_lora_rank)  # its rank is known once it is read
-        while self._queued_registrations and self._may_start_read(estimate):
+        in_flight, awaited = self._read_state()
+        while self._queued_registrations and self._may_start_read(estimate, in_flight, awaited):
             name, path = self._queued_registrations.popitem(last=False)
             self._registering[name] = (path, self._worker.submit(self.load, name, path))
+            in_flight += 1
 
     def collect_registrations(self, wait: float = 0.0) -> list[tuple[str, Exception | None]]:
         """Register the adapters whose background reads are done (waiting up to `wait` seconds for one when
