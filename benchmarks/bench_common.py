@@ -352,7 +352,8 @@ def start_decode_batch(engine, batch: int, context: int, max_tokens: int, adapte
     sequences are marked as having computed context - 1 tokens, so the scheduler
     admits each with one new token and allocates blocks for all `context` tokens;
     the KV values they read are whatever `fill_kv_random` left there. Request i
-    uses adapter adapters[i % len(adapters)] (None = base). Returns the request ids.
+    uses adapter adapters[i % len(adapters)] (None = base); the adapters are made
+    resident here, so the first step takes every request. Returns the request ids.
     """
     rng = np.random.default_rng(seed)
     vocab = engine.hf_config.vocab_size
@@ -366,6 +367,9 @@ def start_decode_batch(engine, batch: int, context: int, max_tokens: int, adapte
     for seq in engine.scheduler.waiting:
         if seq.request_id in wanted:
             seq.num_computed_tokens = context - 1
+    names = {adapters[i % len(adapters)] for i in range(batch)} - {None} if adapters else set()
+    if names:  # resident before the first step (a request waits for its adapter's read), so the batch starts whole
+        engine.lora_manager.prepare(names, engine.scheduler.running_loras())
     return ids
 
 
