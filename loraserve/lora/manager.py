@@ -460,6 +460,7 @@ class LoRAManager:
         self._start_registrations()
 
     def _start_registrations(self) -> None:
+        """Start queued registration reads, first queued first, while `_may_start_read` allows."""
         estimate = self._read_bytes(self.config.max_lora_rank)  # its rank is known once it is read
         in_flight, awaited = self._read_state()
         while self._queued_registrations and self._may_start_read(estimate, in_flight, awaited):
