@@ -118,7 +118,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None  # and at most this many of them (vLLM's flag); None: the bytes alone decide
     max_wait_steps: int = 32  # steps a request waits for its adapter before room is made for it
     lora_root: str | None = None  # a folder of adapters served by name on first request
-    # who reads adapter folders: "process" (a reader process, off the engine's interpreter), "thread" (a thread
+    # who reads adapter folders: "process" (reader processes, off the engine's interpreter), "thread" (a thread
     # of the engine's process) or "auto" (the process on CUDA where it can run, else the thread; lora/reader.py)
     lora_reader: str = "auto"
 

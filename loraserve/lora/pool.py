@@ -109,7 +109,7 @@ class PackedAdapter:
 @dataclass(frozen=True)
 class AdapterPacker:
     """The host side of the pool: an adapter's weights in page layout (`PackedAdapter`). It holds no device state
-    and pickles, so it packs in any thread or process (lora/reader.py packs in a reader process)."""
+    and pickles, so it packs in any thread or process (lora/reader.py packs in reader processes)."""
 
     layout: PageLayout
     layers: tuple[tuple[int, tuple[str, ...]], ...]  # per LoRA layer (layout order): decoder layer index, slice modules
