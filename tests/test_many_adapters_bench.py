@@ -20,7 +20,8 @@ def test_many_adapters_quick(tmp_path):
                                "--scenarios", "8-zipf,fairness", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "many_adapters.json").read_text())
     runs = report["runs"]
-    assert list(runs) == ["base", "8-zipf", "fairness"]
+    base_poisson = f"base-poisson-{many_adapters.FAIRNESS_RATE:g}"
+    assert list(runs) == ["base", "8-zipf", base_poisson, "fairness"]  # fairness's own arrivals get a base run
     assert report["bandwidth_bytes_per_s"] > 0 and report["gemm_flop_per_s"] > 0
     for name, run in runs.items():
         assert set(RUN_FIELDS) <= set(run), name
@@ -41,10 +42,13 @@ def test_many_adapters_quick(tmp_path):
     assert zipf["gpu_loads"] >= 1 and zipf["h2d_adapter_bytes"] > 0 and zipf["floor"]["adapter_bytes"] > 0
     assert 0 < zipf["pool_bytes_used_peak"] <= zipf["pool_bytes_total"]
     assert {"hot", "cold"} <= set(zipf["ttft_s"])
-    assert fair["request_rate"] == many_adapters.FAIRNESS_RATE
+    assert fair["request_rate"] == runs[base_poisson]["request_rate"] == many_adapters.FAIRNESS_RATE
+    assert fair["base_run"] == base_poisson and zipf["base_run"] == "base"
+    assert fair["vs_base_floor"] == fair["achieved_vs_floor"] / runs[base_poisson]["achieved_vs_floor"]
     assert fair["ttft_s"]["hot"]["requests"] + fair["ttft_s"]["cold"]["requests"] == 32
     checks = {c["name"]: c for c in report["checks"]}
     assert checks["fairness: requests finished"]["passed"] is True
+    assert checks["fairness: achieved/floor / base's"]["passed"] in (True, False)  # measured against its own base
     assert "fairness: cold p99 TTFT / hot p99 TTFT" in checks
     assert (tmp_path / "many_adapters.png").exists() or importlib.util.find_spec("matplotlib") is None
 
