@@ -250,8 +250,10 @@ class ProcessReader:
                     raise _ReaderFailed(f"the adapter reader process is gone ({exc})") from None
                 reply = self._reply(child, READ_TIMEOUT_S, "packing it")
             loaded = self._loaded(child, name, reply, taken)
-        except BaseException:
+        except BaseException as exc:
             if taken is not None:
+                if not isinstance(exc, LoRAAdapterError):  # it may still be packing: gone before its range is reused
+                    _close_all(slot.children)
                 self._arena.give_back(taken[0])
             raise
         return loaded

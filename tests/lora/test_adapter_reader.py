@@ -277,6 +277,35 @@ def test_reader_processes_pack_straight_into_a_shared_arena(base, spec, tmp_path
         process.close()
 
 
+def test_a_reader_process_that_dies_while_packing_into_the_arena_gives_its_range_back(base, spec, tmp_path):  # noqa: F811
+    """The reader process is killed once it has a range of the shared arena: the read is tried again in a new
+    process, and the dead one's range returns to the arena (only the result's range stays taken)."""
+    folder = save_lora(base, tmp_path, r=16, target_modules=list(MODULES))
+    setup = setup_for(spec)
+    expected = ThreadReader(setup, host=None).read("x", folder).packed
+    host = HostArena(4 * expected.data.numel() * expected.data.element_size(), pin=False, shared=True)
+    reader = ProcessReader(setup, host)
+    take, kills = host.take_packed, []
+
+    def take_then_kill(*args):
+        taken = take(*args)
+        if not kills:  # the first read's process dies holding the range
+            kills.append(reader.processes[0])
+            kills[0].kill()
+            kills[0].wait()
+        return taken
+
+    host.take_packed = take_then_kill
+    try:
+        got = reader.read("a", folder).packed
+        assert kills and reader.pid not in (None, kills[0].pid)
+        assert torch.equal(got.data, expected.data) and torch.equal(got.ranks, expected.ranks)
+        host.give_back(got.data)
+        assert host.free_bytes == host.nbytes  # nothing left taken by the dead process's read
+    finally:
+        reader.close()
+
+
 @pytest.mark.gpu
 def test_pinned_reads_on_cuda(base, spec, tmp_path):  # noqa: F811
     """With a pinned host arena (shared and registered with CUDA, as the runtime makes it), the reader process's
