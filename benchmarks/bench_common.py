@@ -29,11 +29,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.multiprocessing
+from safetensors.torch import save_file
 
 from loraserve import LoRARequest, SamplingParams
 from loraserve.distributed import ParallelGroup, host_store, join_store
 from loraserve.lora.synthetic import random_adapter
-from safetensors.torch import save_file
 from loraserve.models.loader import open_model
 
 DISTINCT_WEIGHTS = 8  # adapters with distinct random weights; names beyond repeat them (generating is slow)

@@ -253,33 +253,44 @@ def run_floor(engine, steps: list[StepRecord], adapter_sizes: dict[str, int], ce
     return total
 
 
-def weights_folder(made: dict, engine, rank: int, targets: tuple[str, ...], j: int, seed: int) -> tuple[str, int]:
-    """The PEFT folder of the j-th distinct random adapter of (rank, targets) in the engine's dtype and its bytes
-    (A + B), written once under made["dir"] and kept in `made`."""
-    key = (rank, targets, j)
-    if key not in made:
-        runtime = engine.lora_manager.runtime
-        adapter = random_adapter(runtime.spec, f"r{rank}-{len(targets)}t-{j}", rank, targets,
-                                 seed=seed + 1000 * rank + 100 * len(targets) + j).to(dtype=runtime.dtype)
-        folder = os.path.join(made["dir"], "weights", f"r{rank}-{len(targets)}t-{j}")
-        bc.write_peft_folder(folder, adapter, rank)
-        made[key] = folder, bc.adapter_bytes(adapter, runtime.dtype)
-    return made[key]
+class AdapterFiles:
+    """The run's adapter folders under `root` (a temporary folder): the distinct random weights, each written once
+    (`weights`), and each scenario's folder of names (`scenario_root`)."""
+
+    def __init__(self, root: str, seed: int):
+        self.root, self.seed = root, seed
+        self._written: dict[tuple[int, tuple[str, ...], int], tuple[str, int]] = {}  # (rank, targets, j) -> ...
+
+    def scenario_root(self, scenario: Scenario) -> str:
+        return os.path.join(self.root, scenario.name)
+
+    def weights(self, engine, rank: int, targets: tuple[str, ...], j: int) -> tuple[str, int]:
+        """The PEFT folder of the j-th distinct random adapter of (rank, targets) in the engine's dtype and its
+        bytes (A + B), written on first use."""
+        key = (rank, targets, j)
+        if key not in self._written:
+            runtime = engine.lora_manager.runtime
+            adapter = random_adapter(runtime.spec, f"r{rank}-{len(targets)}t-{j}", rank, targets,
+                                     seed=self.seed + 1000 * rank + 100 * len(targets) + j).to(dtype=runtime.dtype)
+            folder = os.path.join(self.root, "weights", f"r{rank}-{len(targets)}t-{j}")
+            bc.write_peft_folder(folder, adapter, rank)
+            self._written[key] = folder, bc.adapter_bytes(adapter, runtime.dtype)
+        return self._written[key]
 
 
-def adapter_folders(engine, scenario: Scenario, made: dict, root: str, seed: int) -> tuple[dict[str, int], list[str]]:
-    """The scenario's adapters as folders lora-0.. under `root` (their files linked to weights that repeat every
+def adapter_folders(engine, scenario: Scenario, files: AdapterFiles) -> tuple[dict[str, int], list[str]]:
+    """The scenario's adapters as folders lora-0.. under its root (their files linked to weights that repeat every
     DISTINCT_WEIGHTS names of a rank) and one warm-up adapter per rank, for the engine to load on first
     request; returns each name's bytes (A + B in the model dtype) and the warm-up names."""
-    sizes, warmup = {}, []
+    sizes, warmup, root = {}, [], files.scenario_root(scenario)
     for rank in sorted(set(scenario.ranks)):
         name = f"warmup-r{rank}"
-        folder, sizes[name] = weights_folder(made, engine, rank, scenario.targets, 0, seed)
+        folder, sizes[name] = files.weights(engine, rank, scenario.targets, 0)
         bc.link_peft_folder(folder, os.path.join(root, name))
         warmup.append(name)
     for i in range(scenario.num_adapters):
         j = (i // len(scenario.ranks)) % bc.DISTINCT_WEIGHTS
-        folder, sizes[f"lora-{i}"] = weights_folder(made, engine, scenario.rank_of(i), scenario.targets, j, seed)
+        folder, sizes[f"lora-{i}"] = files.weights(engine, scenario.rank_of(i), scenario.targets, j)
         bc.link_peft_folder(folder, os.path.join(root, f"lora-{i}"))
     return sizes, warmup
 
@@ -310,11 +321,11 @@ def latency(trace: Trace, times: dict[str, list[float]], classes: list[str]) -> 
     return {"finished": finished, "ttft_s": by_class, "itl_s": bc.percentiles(itl, (50, 99))}
 
 
-def run_engine(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, scenario: Scenario | None = None,
+def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilings, rng, scenario: Scenario | None = None,
                picks: np.ndarray | None = None) -> dict:
     """Build one engine (base if scenario is None; request i then names adapter picks[i]), warm it up, replay
     the trace; the engine is freed on return."""
-    root = os.path.join(made["dir"], scenario.name) if scenario else None  # its adapters, loaded on first request
+    root = files.scenario_root(scenario) if scenario else None  # its adapters, loaded on first request
     if root is not None:
         os.makedirs(root)
     lora_options = dict(enable_lora=True, max_loras=args.max_loras, max_lora_rank=max(scenario.ranks),
@@ -329,7 +340,7 @@ def run_engine(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, 
     sizes, warmup_names, names, classes = {}, [], [None] * len(trace.prompts), ["all"] * len(trace.prompts)
     if scenario:
         t0 = time.perf_counter()
-        sizes, warmup_names = adapter_folders(engine, scenario, made, root, args.seed)
+        sizes, warmup_names = adapter_folders(engine, scenario, files)
         info["adapter_setup_seconds"] = time.perf_counter() - t0  # writing (first use) and linking their folders
         names = [f"lora-{i}" for i in picks]
         classes = [scenario.popularity_class(int(i)) for i in picks]
@@ -463,10 +474,10 @@ def plot(runs: dict[str, dict], args) -> None:
              ylabel="output tokens/s", series=series, logx=True)])
 
 
-def run_all(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, runs: dict, report: dict) -> None:
+def run_all(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilings, rng, runs: dict, report: dict) -> None:
     """The base run, then one run per scenario (the JSON written after each); a scenario with arrivals of its own
     (fairness) gets a base run on them first ("base-poisson-<rate>"), which its ratios compare with."""
-    runs["base"] = run_engine(args, device, trace, made, ceilings, rng)
+    runs["base"] = run_engine(args, device, trace, files, ceilings, rng)
     runs["base"]["base_run"] = "base"
     for name in args.scenarios:
         scenario = make_scenario(name, args.quick)
@@ -479,9 +490,9 @@ def run_all(args, device, trace: Trace, made: dict, ceilings: Ceilings, rng, run
         base_run = "base" if run_trace is trace else f"base-poisson-{run_trace.rate:g}"
         if base_run not in runs:
             print(f"{base_run}: the base engine on {name}'s arrivals")
-            runs[base_run] = run_engine(args, device, run_trace, made, ceilings, rng) | {"base_run": base_run}
+            runs[base_run] = run_engine(args, device, run_trace, files, ceilings, rng) | {"base_run": base_run}
         print(f"{name}: {scenario.num_adapters} adapters, ranks {scenario.ranks}, {len(scenario.targets)} targets")
-        runs[name] = run_engine(args, device, run_trace, made, ceilings, rng, scenario, picks) | {"base_run": base_run}
+        runs[name] = run_engine(args, device, run_trace, files, ceilings, rng, scenario, picks) | {"base_run": base_run}
         bc.write_json(args.out, "many_adapters.json", report)  # partial
 
 
@@ -498,15 +509,15 @@ def main(argv=None) -> int:
     print(f"copy bandwidth (read + write) {ceilings.bandwidth / 1e9:.0f} GB/s, GEMM {ceilings.gemm_rate / 1e12:.2f} "
           f"TFLOP/s on {device}; scenarios {','.join(args.scenarios)}"
           + (f" (--quick: at most {QUICK_MAX_ADAPTERS} adapters each)" if args.quick else ""))
-    made = {"dir": tempfile.mkdtemp(prefix="many-adapters-")}  # and (rank, targets, j) -> (its folder, bytes)
+    files = AdapterFiles(tempfile.mkdtemp(prefix="many-adapters-"), args.seed)
     runs, checks = {}, []
     report = {"benchmark": "many_adapters", "args": vars(args), "env": bc.environment(device),
               "bandwidth_bytes_per_s": ceilings.bandwidth, "gemm_flop_per_s": ceilings.gemm_rate,
               "runs": runs, "checks": checks}
     try:
-        run_all(args, device, trace, made, ceilings, rng, runs, report)
+        run_all(args, device, trace, files, ceilings, rng, runs, report)
     finally:
-        shutil.rmtree(made["dir"])
+        shutil.rmtree(files.root)
     add_ratios(runs)
     print_results(runs, args, device)
     checks += make_checks(runs)

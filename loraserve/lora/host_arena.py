@@ -72,7 +72,7 @@ class HostArena:
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialised tensor of `shape` and `dtype` in the arena, or None when no free range is large enough."""
-        nbytes = math.prod(shape) * _element_size(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
         start = self._take_range(nbytes)
         return None if start is None else self._view(start, shape, dtype, finalize=True)
 
@@ -92,8 +92,8 @@ class HostArena:
         """One range for a packed adapter: (data [pages, width] of `dtype`, ranks [num_layers] int32), both
         uninitialised; the data's tensor stands for the range (`copied`, `give_back`, `offset_of`). None, logged,
         where they don't fit."""
-        data_bytes = _aligned(math.prod(shape) * _element_size(dtype))
-        start = self._take_range(data_bytes + num_layers * _element_size(torch.int32))
+        data_bytes = _aligned(math.prod(shape) * dtype.itemsize)
+        start = self._take_range(data_bytes + num_layers * torch.int32.itemsize)
         if start is None:
             logger.debug("the pinned host arena has no room for %.1f MiB: an adapter stays in ordinary memory",
                          data_bytes / 2**20)
@@ -141,7 +141,7 @@ class HostArena:
         """A tensor over the arena's bytes from `offset`; with `finalize`, the range that starts there returns
         when the tensor is collected without having been given back (an adapter read but never cached)."""
         numel = math.prod(shape)
-        view = self._buffer[offset:offset + _aligned(numel * _element_size(dtype))].view(dtype)[:numel].view(shape)
+        view = self._buffer[offset:offset + _aligned(numel * dtype.itemsize)].view(dtype)[:numel].view(shape)
         if finalize:
             weakref.finalize(view, self._release, offset, self._owners[offset][1])
         return view
@@ -179,10 +179,6 @@ class HostArena:
             size += self._free[i][1]
             del self._free[i]
         self._free.insert(i, (start, size))
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _register(buffer: torch.Tensor) -> None:

@@ -258,8 +258,8 @@ class LoRAManager:
         the pool has room without evicting a protected adapter or one named here. Reads from disk go to the
         worker threads while the host cache has room for them (`_may_start_read`). Nothing here waits for a
         read or a copy, unless `idle` (no step to run): then it waits up to IDLE_WAIT_S for a read to finish."""
-        running = [f for f in self._reading.values() if not f.done()]  # (a failed read waits for its step)
-        if idle and running:
+        running = [f for f in self._reading.values() if not f.done()] if idle else []  # (failed reads wait)
+        if running:
             futures.wait(running, IDLE_WAIT_S, futures.FIRST_COMPLETED)
         self._collect_reads()
         keep = protected | set(names) | self._pinned

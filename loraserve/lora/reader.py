@@ -309,16 +309,16 @@ class ProcessReader:
         """Stop the reader processes: each exits when its socket closes; a read in progress fails with
         AdapterReaderError (its reader process is killed first)."""
         self._closed = True
-        for slot in self._slots:
+        for slot in self._slots:  # every slot held: no read is left running
             if not slot.lock.acquire(blocking=False):
                 for child in list(slot.children):
                     child.proc.kill()
                 slot.lock.acquire()
-            try:
-                _close_all(slot.children)
-            finally:
+        try:
+            self._finalizer()
+        finally:
+            for slot in self._slots:
                 slot.lock.release()
-        self._finalizer()
 
 
 def _exit_status(code: int) -> str:
@@ -329,7 +329,7 @@ def _map_shared(fd: int, shape: tuple[int, int], dtype: torch.dtype) -> torch.Te
     """A [pages, width] tensor over the shared-memory file `fd` (mapped; `fd` is closed)."""
     try:
         numel = shape[0] * shape[1]
-        mapped = mmap.mmap(fd, numel * torch.empty((), dtype=dtype).element_size(), flags=_MAP_FLAGS)
+        mapped = mmap.mmap(fd, numel * dtype.itemsize, flags=_MAP_FLAGS)
     finally:
         os.close(fd)
     return torch.frombuffer(mapped, dtype=dtype, count=numel).view(shape)
@@ -367,7 +367,7 @@ def _shared_zeros(shape: tuple[int, int], dtype: torch.dtype) -> tuple[int, torc
     """A new anonymous shared-memory file of a [pages, width] tensor (zeros) and the tensor mapped over it."""
     fd = os.memfd_create("loraserve-adapter", os.MFD_CLOEXEC)
     numel = shape[0] * shape[1]
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     os.ftruncate(fd, nbytes)  # a new file reads as zeros
     return fd, torch.frombuffer(mmap.mmap(fd, nbytes, flags=_MAP_FLAGS), dtype=dtype, count=numel).view(shape)
 
@@ -410,7 +410,7 @@ def _answer(conn: Connection, setup: ReaderSetup, arena: torch.Tensor | None, na
             conn.send(("shape", shape))
             where = conn.recv()  # ("arena", offset) or ("own",)
         if where[0] == "arena":
-            nbytes = math.prod(shape) * torch.empty((), dtype=setup.packer.dtype).element_size()
+            nbytes = math.prod(shape) * setup.packer.dtype.itemsize
             data = arena[where[1]:where[1] + nbytes].view(setup.packer.dtype).view(shape)
             data.zero_()  # a range used before
         else:
