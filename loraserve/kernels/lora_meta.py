@@ -1,13 +1,14 @@
 """The LoRA kernels' view of where adapters live (the paged pool) and of one step's tokens.
 
 Adapter weights live in a paged pool: a page holds PAGE_RANK rank rows of an
-adapter in every LoRA layer, and an adapter of rank r occupies cdiv(r,
-PAGE_RANK) pages, wherever they are. A layer's storage is a view of the pool:
+adapter for the LoRA layers of one page block (consecutive layers of one
+module), and an adapter of rank r occupies cdiv(r, PAGE_RANK) pages of each
+block it targets, wherever they are. A layer's storage is a view of the pool:
   lora_a: [P, S*PAGE_RANK, in]  page p's rows s*PAGE_RANK + j are rank row j of slice s's A
   lora_b: [P, PAGE_RANK, N]     page p's row j is rank row j of B^T (every slice's columns)
   lora_rank: [A] int32          each adapter id's rank in this layer (0: not targeted / free)
-and the pool's page table [A, max_pages] maps an adapter id and its rank row r to the page holding it
-(page_table[id, r // PAGE_RANK]).
+and the page table [A, max_pages] (the pool's columns of the layer's page block) maps an adapter id and its
+rank row r to the page holding it (page_table[id, r // PAGE_RANK]).
 
 A step's tokens are grouped by adapter into at most L "slots" (L = max_loras, the distinct adapters one
 step may mix): slot l holds adapter id slot_adapter[l], its tokens are sorted_token_ids[slot_start[l] :

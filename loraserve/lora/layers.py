@@ -5,7 +5,8 @@ CUDA graphs read whatever the pool holds at replay):
   lora_a:    [P, S*PAGE_RANK, in]  per page, PAGE_RANK rank rows of each slice's A
   lora_b:    [P, PAGE_RANK, N]     per page, PAGE_RANK rank rows of B^T (scaling folded in)
   lora_rank: [A] int32             each adapter id's rank in this layer (0 = not targeted)
-with S slices (q/k/v: 3, gate/up: 2, o/down: 1); the page table is in the step's metadata. Only the
+with S slices (q/k/v: 3, gate/up: 2, o/down: 1); the page table (the columns of the layer's page block)
+is in the step's metadata, `LoRABatch.metas[page_block]`. Only the
 adapter pool writes them.
 
 Forward, with the pass's LoRA state in ctx.lora (a LoRABatch; None: the base
@@ -64,15 +65,19 @@ class LoRALinear(nn.Module):
         self.lora_b: torch.Tensor | None = None
         self.lora_rank: torch.Tensor | None = None
         self.rank_width = 0  # R: rank rows per slice of the LoRA intermediate
+        self.page_block = 0  # the pool's page block holding this layer (its LoRAMeta in LoRABatch.metas)
         # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a capture)
         self._fork: torch.cuda.Event | None = None
         self._join: torch.cuda.Event | None = None
         # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
         self._bound: dict[int, BoundLoRADelta] = {}
 
-    def bind_pool(self, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor, rank_width: int) -> None:
-        """Read adapters from these views of the pool (once, before any forward pass with LoRA)."""
+    def bind_pool(self, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor, rank_width: int,
+                  page_block: int) -> None:
+        """Read adapters from these views of the pool, through page block `page_block`'s columns of the page
+        table (once, before any forward pass with LoRA)."""
         self.lora_a, self.lora_b, self.lora_rank, self.rank_width = lora_a, lora_b, lora_rank, rank_width
+        self.page_block = page_block
 
     @property
     def in_features(self) -> int:
@@ -92,18 +97,18 @@ class LoRALinear(nn.Module):
         lora = ctx.lora if ctx is not None else None
         if lora is None:
             return self.base(x)
-        side = lora.side
+        side, meta = lora.side, lora.metas[self.page_block]
         if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
             y = self.base(x).y
             if self.factored and x.is_cuda:
-                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets)
+                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
                 if self.reduce is not None:
                     self.reduce(factors.inter)
                 return LinearOutput(y, factors)
             apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
-            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, lora.meta, self.slice_offsets, self.reduce)
+            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets, self.reduce)
             return LinearOutput(y, None)
-        return self._forward_beside(x, lora.meta, side)
+        return self._forward_beside(x, meta, side)
 
     def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> LinearOutput:
         # x: [T, in] -> y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's

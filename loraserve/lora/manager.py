@@ -81,6 +81,7 @@ class AdapterCounters:
 class _Registered:
     path: str
     rank: int
+    pages: int  # the pool pages it takes (its own rank, on the page blocks of the layers it targets)
     source: LoRAAdapter | None = None  # in-memory adapters: packed again from this when out of the host cache
     generation: int = 0  # its identity: new at registration and whenever it is read in another version
     version: tuple | None = None  # the version of its last read (files_version; IN_MEMORY_VERSION for objects)
@@ -130,8 +131,7 @@ class LoRAManager:
 
     def pages_of(self, name: str) -> int:
         """The pool pages adapter `name` takes (registered or retired)."""
-        entry = self._registry.get(name) or self._retired[name]
-        return self.pool.pages_for(entry.rank)
+        return (self._registry.get(name) or self._retired[name]).pages
 
     def is_ready(self, name: str) -> bool:
         """Whether a step may take adapter `name` without waiting for a read: it is in the pool or the host cache,
@@ -165,8 +165,8 @@ class LoRAManager:
             self._check_new(name)
             loaded = loaded if loaded is not None else self.load(name, path)
             if pinned:
-                self._check_pin_room(name, loaded.rank)
-            entry = _Registered(path, loaded.rank)
+                self._check_pin_room(name, loaded.packed.num_pages)
+            entry = _Registered(path, loaded.rank, loaded.packed.num_pages)
             self._registry[name] = entry
             self._record_load(entry, loaded)
             self._cache_on_cpu(name, loaded.packed)
@@ -181,10 +181,11 @@ class LoRAManager:
         self._check_new(name)
         if adapter.max_rank > self.config.max_lora_rank:
             raise LoRAAdapterError(name, f"rank {adapter.max_rank} exceeds max_lora_rank {self.config.max_lora_rank}")
+        pages = self.runtime.pages_of(adapter)
         if pinned:
-            self._check_pin_room(name, adapter.max_rank)
+            self._check_pin_room(name, pages)
         source = adapter.to(dtype=self.runtime.dtype)
-        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, source, next(self._generations),
+        self._registry[name] = _Registered(IN_MEMORY, adapter.max_rank, pages, source, next(self._generations),
                                            IN_MEMORY_VERSION)
         if pinned:
             self._pin(name)
@@ -194,10 +195,11 @@ class LoRAManager:
         if name in self._retired:
             raise LoRAConflictError(f"LoRA adapter {name!r} is being unloaded; retry when its requests finish")
 
-    def _check_pin_room(self, name: str, rank: int) -> None:
-        """Pinned adapters must leave room in the pool for one adapter of max_lora_rank."""
+    def _check_pin_room(self, name: str, pages: int) -> None:
+        """Pinned adapters (with `name`, of `pages` pages) must leave room in the pool for one adapter of
+        max_lora_rank on every layer."""
         pinned = sum(self.pages_of(n) for n in self._pinned if n != name)
-        if pinned + self.pool.pages_for(rank) + self.pool.max_pages > self.pool.num_pages:
+        if pinned + pages + self.pool.pages_for(self.config.max_lora_rank) > self.pool.num_pages:
             raise InvalidRequestError(f"can't pin LoRA adapter {name!r}: pinned adapters must leave room for an "
                                       "adapter of max_lora_rank in the GPU pool")
 
@@ -205,7 +207,7 @@ class LoRAManager:
         """Keep `name` in the pool for good. Never evicts an adapter with requests in flight."""
         if name in self._pinned:
             return
-        self._check_pin_room(name, self._registry[name].rank)
+        self._check_pin_room(name, self._registry[name].pages)
         try:
             self._ensure_resident(name, protected=set(self.refcounts) | self._pinned)
         except RuntimeError as exc:
@@ -272,7 +274,7 @@ class LoRAManager:
             if packed is None:
                 if name in self._reading or in_flight >= self._read_slots:
                     continue
-                nbytes = self._read_bytes(self._entry(name).rank)
+                nbytes = self._read_bytes(self._entry(name).pages)
                 if self._may_start_read(nbytes, in_flight, awaited, first=name == names[0]):
                     self._start_read(name)
                     in_flight += 1
@@ -281,9 +283,10 @@ class LoRAManager:
             else:
                 pool_full = True
 
-    def _read_bytes(self, rank: int) -> int:
-        """The host bytes an adapter of `rank` takes once read (all ranks' parts, with tensor parallelism)."""
-        return self.pool.pages_for(rank) * self.pool.page_bytes * self.runtime.tp.size
+    def _read_bytes(self, pages: int) -> int:
+        """The most host bytes an adapter of `pages` pool pages takes once read (all ranks' parts, with tensor
+        parallelism)."""
+        return pages * self.pool.page_bytes * self.runtime.tp.size
 
     def _read_state(self) -> tuple[int, int]:
         """(reads in flight, host cache bytes of adapters that waiting requests need in the pool)."""
@@ -301,7 +304,7 @@ class LoRAManager:
             return False
         if in_flight == 0 and (first or awaited == 0):
             return True
-        estimate = self._read_bytes(self.config.max_lora_rank)  # an adapter being read: at most this
+        estimate = self._read_bytes(self.pool.pages_for(self.config.max_lora_rank))  # a read: at most this
         return awaited + in_flight * estimate + nbytes <= self.config.max_cpu_lora_memory * 2**30
 
     def _awaited(self, name: str) -> bool:
@@ -330,7 +333,7 @@ class LoRAManager:
                 break
             if name not in protected:
                 victims.append(name)
-                freed += self.pool.pages_for(self._entry(name).rank)
+                freed += self._entry(name).pages
         if freed < pages:
             return False
         for name in victims:
@@ -402,6 +405,7 @@ class LoRAManager:
     def _record_load(self, entry: _Registered, loaded: LoadedAdapter) -> None:
         if loaded.version is None or loaded.version != entry.version:  # other weights may have been read
             entry.version, entry.generation = loaded.version, next(self._generations)
+            entry.rank, entry.pages = loaded.rank, loaded.packed.num_pages
         self.num_loads += 1
         self.recent_load_seconds.append(loaded.seconds)
         entry.counters.disk_loads += 1

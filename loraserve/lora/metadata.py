@@ -18,7 +18,9 @@ MAX_TILE_INDEX = 1 << 16  # a tile map entry holds the tile within its slot in 1
 class LoRAMetaBuilder:
     """Owns the static metadata buffers and refills them each step.
 
-    `page_table` ([A, max_pages] int32 on the device, the pool's): adapter ids are its rows. `max_loras`: the
+    `page_table` ([A, max_pages] int32 on the device, the pool's), or one such table per page block (the pool's
+    columns of each block: `metas` holds one LoRAMeta per table, every other field shared; `meta` is the
+    first): adapter ids are its rows. `max_loras`: the
     most distinct adapters one step holds (the slots). The device buffer is one int32 vector whose views are
     the LoRAMeta fields, so a step costs one host->device copy. Two pinned staging buffers are used in turn;
     before one is overwritten, the event recorded after its previous copy is awaited, so a copy still in
@@ -26,16 +28,17 @@ class LoRAMetaBuilder:
     metadata. The tile counters are zeroed once here and never copied over.
     """
 
-    def __init__(self, max_tokens: int, max_loras: int, page_table: torch.Tensor):
+    def __init__(self, max_tokens: int, max_loras: int, page_table: torch.Tensor | tuple[torch.Tensor, ...]):
         if max_tokens < 1 or max_loras < 1:
             raise ValueError(
                 f"max_tokens and max_loras must be >= 1, got {max_tokens}, {max_loras}")
         if max_tokens >= MAX_TILE_INDEX * min(TILE_BLOCKS):
             raise ValueError(f"max_tokens must be below {MAX_TILE_INDEX * min(TILE_BLOCKS)}, got {max_tokens}")
+        tables = page_table if isinstance(page_table, tuple) else (page_table,)
         self.max_tokens = max_tokens
         self.max_loras = max_loras
-        self.num_ids = page_table.shape[0]
-        self.device = page_table.device
+        self.num_ids = tables[0].shape[0]
+        self.device = tables[0].device
         # the tile maps' lengths: at most this many non-empty tiles (the slots' and the base group's)
         self._map_sizes = [-(-max_tokens // bm) + min(max_loras, max_tokens) + 1 for bm in TILE_BLOCKS]
         size = 2 * max_tokens + 3 * (max_loras + 1) + 2 * len(TILE_BLOCKS) + sum(self._map_sizes)
@@ -51,7 +54,8 @@ class LoRAMetaBuilder:
         tiles = -(-max_tokens // COUNTER_BLOCK_M) + min(max_loras, max_tokens)
         counters = torch.zeros(tiles, COUNTER_ROW_TILES, dtype=torch.int32, device=self.device)
         *fields, maps, counts = self._split(self._device_buf)
-        self.meta = LoRAMeta(*fields, maps, counts, page_table, counters)
+        self.metas = tuple(LoRAMeta(*fields, maps, counts, table, counters) for table in tables)
+        self.meta = self.metas[0]
 
     def _split(self, buf):
         """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps),

@@ -1,21 +1,20 @@
 """The GPU adapter pool: device memory sized in bytes, handed out in pages of PAGE_RANK rank rows.
 
-A page holds PAGE_RANK rank rows of one adapter for every LoRA layer, as one
-contiguous block of the pool's storage ([P, page elements]); an adapter of rank
-r takes cdiv(r, PAGE_RANK) pages, wherever they are free, so it occupies memory
-for its own rank, not for max_lora_rank. Inside a page the layers are ordered
-by module (every layer's q/k/v, then every o, gate/up, down: `PageLayout`), so
-an adapter that targets only some modules fills one contiguous span of each
-of its pages: its host copy (`PackedAdapter`, laid out by `AdapterPacker` in
-any thread or process) holds only that span, and loading it costs one
-host-to-device copy per page.
+The LoRA layers of one module (every layer's q/k/v, every o, ...) are cut into blocks of consecutive layers
+(`PageLayout`), sized so that the blocks of every module fill about the same number of elements; the pool's
+pages all have that size. A page holds PAGE_RANK rank rows of one adapter for the layers of one block, as
+one contiguous row of the pool's storage ([P, page elements]). An adapter of rank r takes cdiv(r, PAGE_RANK)
+pages for each block whose layers it targets, wherever they are free: it occupies memory for its own rank
+(not for max_lora_rank) and for its own modules (an adapter of q/k/v/o takes no page of the MLP blocks).
+Its host copy (`PackedAdapter`, laid out by `AdapterPacker` in any thread or process) holds one row per
+page, and loading it costs one host-to-device copy per page.
 
-Adapter ids are the rows of the page table ([A, max_pages] int32, A = P) and of
-the per-layer rank table ([layers, A] int32); the LoRA layers read views of
-the storage and these tables (kernels/lora_meta.py), whose addresses never
-change, so CUDA graphs captured once read whatever the pool holds at replay.
-The pool only does the bookkeeping of pages and ids and the copies; which
-adapter goes in or out is the LoRA manager's choice.
+Adapter ids are the rows of the page table ([A, blocks * max_pages] int32, A = P: block b's pages in columns
+b * max_pages ...) and of the per-layer rank table ([layers, A] int32); each LoRA layer reads views of the
+storage, its block's columns of the page table (through the step metadata) and its rank row
+(kernels/lora_meta.py), whose addresses never change, so CUDA graphs captured once read whatever the pool
+holds at replay. The pool only does the bookkeeping of pages and ids and the copies; which adapter goes in
+or out is the LoRA manager's choice.
 """
 from __future__ import annotations
 
@@ -28,11 +27,14 @@ from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.lora.adapter import LoRAAdapter
 
 ALIGN = 64  # elements: every layer's region in a page starts on a 128-byte boundary (bf16)
+# Pages may hold up to this many times the largest layer's rows: the page size among 1x..MAX_PAGE_LAYERS x that
+# wasting the least memory (an adapter on every layer) is taken, the largest of equals (fewer pages per adapter).
+MAX_PAGE_LAYERS = 8
 
 
 @dataclass(frozen=True)
 class LayerRegion:
-    """Where one LoRA layer's page rows sit inside a page (element offsets)."""
+    """Where one LoRA layer's page rows sit inside a page of its block (element offsets)."""
 
     a_offset: int  # A: [S*PAGE_RANK, in] row-major
     b_offset: int  # B^T: [PAGE_RANK, N] row-major
@@ -47,26 +49,52 @@ class LayerRegion:
 
 
 class PageLayout:
-    """The element layout of one page for a list of LoRA layers (in the runtime's layer order).
+    """The page blocks and the element layout of a page for a list of LoRA layers (in the runtime's layer order).
 
-    layers: per layer (module attr, in_features, out_features, slice_offsets). Regions are ordered by
-    module attr (first appearance), then by layer, each aligned to ALIGN elements.
+    layers: per layer (module attr, in_features, out_features, slice_offsets). The layers of each module attr
+    (in order of first appearance) are cut greedily, in layer order, into blocks whose regions (each aligned to
+    ALIGN elements) fit one page; `block_of[i]` is layer i's block and its region's offsets are within a page
+    of that block.
     """
 
     def __init__(self, layers: list[tuple[str, int, int, tuple[int, ...]]]):
+        if not layers:
+            raise ValueError("a page layout needs at least one LoRA layer")
         kinds = list(dict.fromkeys(attr for attr, *_ in layers))
-        order = sorted(range(len(layers)), key=lambda i: (kinds.index(layers[i][0]), i))
-        regions: list[LayerRegion | None] = [None] * len(layers)
-        offset = 0
-        for i in order:
-            _, in_features, out_features, offsets = layers[i]
-            num_slices = len(offsets) - 1
-            a_offset = offset
-            b_offset = _aligned(a_offset + num_slices * PAGE_RANK * in_features)
-            regions[i] = LayerRegion(a_offset, b_offset, num_slices, in_features, out_features, tuple(offsets))
-            offset = _aligned(regions[i].end)
-        self.regions: list[LayerRegion] = regions
-        self.page_elems = offset
+        self._by_kind = [[i for i, (attr, *_) in enumerate(layers) if attr == kind] for kind in kinds]
+        self._sizes = [_region_size(in_features, out_features, len(offsets) - 1)
+                       for _, in_features, out_features, offsets in layers]
+        largest = max(self._sizes)
+        # (waste, -size): the least memory for an adapter on every layer, then the largest page
+        _, neg_size = min((self._blocks_for(m * largest)[1] * m * largest, -m * largest)
+                          for m in range(1, MAX_PAGE_LAYERS + 1))
+        self.page_elems = -neg_size
+        blocks, _ = self._blocks_for(self.page_elems)
+        self.regions: list[LayerRegion | None] = [None] * len(layers)
+        self.block_of = [0] * len(layers)
+        for b, members in enumerate(blocks):
+            offset = 0
+            for i in members:
+                _, in_features, out_features, offsets = layers[i]
+                num_slices = len(offsets) - 1
+                b_offset = _aligned(offset + num_slices * PAGE_RANK * in_features)
+                self.regions[i] = LayerRegion(offset, b_offset, num_slices, in_features, out_features, tuple(offsets))
+                self.block_of[i] = b
+                offset = _aligned(self.regions[i].end)
+        self.num_blocks = len(blocks)
+
+    def _blocks_for(self, page_elems: int) -> tuple[list[list[int]], int]:
+        """The blocks (layer indices) when pages have page_elems elements, and how many there are."""
+        blocks = []
+        for members in self._by_kind:
+            used = page_elems  # start a block at the first layer
+            for i in members:
+                if used + self._sizes[i] > page_elems:
+                    blocks.append([])
+                    used = 0
+                blocks[-1].append(i)
+                used += self._sizes[i]
+        return blocks, len(blocks)
 
     def a_view(self, storage: torch.Tensor, i: int) -> torch.Tensor:
         """Layer i's A rows in every page: [P, S*PAGE_RANK, in] (page stride = page_elems)."""
@@ -84,13 +112,19 @@ def _aligned(n: int) -> int:
     return cdiv(n, ALIGN) * ALIGN
 
 
+def _region_size(in_features: int, out_features: int, num_slices: int) -> int:
+    """Elements of one layer's region in a page: its A rows, then its B^T rows, each aligned."""
+    return _aligned(_aligned(num_slices * PAGE_RANK * in_features) + PAGE_RANK * out_features)
+
+
 @dataclass
 class PackedAdapter:
-    """An adapter in page layout in host memory, ready to copy: the span [span_start, span_start + width)
-    of each of its pages (what its targeted layers use; zeros where it has no weights)."""
+    """An adapter in page layout in host memory, ready to copy: one row per page it takes, row p for page
+    block row_blocks[p] (a block's rows are consecutive, its rank rows 0.., PAGE_RANK per row), each the first
+    `width` elements of its page (zeros where it has no weights)."""
 
     data: torch.Tensor  # [pages, width], in the pinned host arena on CUDA (lora/host_arena.py)
-    span_start: int
+    row_blocks: tuple[int, ...]  # [pages]: the page block of each row
     ranks: torch.Tensor  # [layers] int32: its rank in each LoRA layer (0: not targeted)
     # tensor parallel: the other ranks' parts in the same layout, [ranks - 1, pages, width] in shared memory
     # (lora.runtime.LoRARuntime.pack makes them on rank 0); None with one rank
@@ -107,6 +141,17 @@ class PackedAdapter:
 
 
 @dataclass(frozen=True)
+class AdapterPlan:
+    """Where an adapter goes in page layout: its targeted layers, its rank per layer ([layers] int32, 0: not
+    targeted), the page block of each of its rows, and (pages, width) of its packed data."""
+
+    targeted: tuple[int, ...]
+    ranks: torch.Tensor
+    row_blocks: tuple[int, ...]
+    shape: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class AdapterPacker:
     """The host side of the pool: an adapter's weights in page layout (`PackedAdapter`). It holds no device state
     and pickles, so it packs in any thread or process (lora/reader.py packs in reader processes)."""
@@ -119,23 +164,25 @@ class AdapterPacker:
         """Per LoRA layer (layout order), per slice: the adapter's (A [r, in], B [out_s, r]), or None."""
         return [[adapter.weights.get((layer_index, m)) for m in names] for layer_index, names in self.layers]
 
-    def _plan(self, weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]]):
-        """The targeted layers of `weights` (layer_weights' form); the adapter's rank per layer ([layers] int32,
-        0: not targeted); where its span starts in a page; (pages, width) of its data."""
-        targeted = [i for i, slices in enumerate(weights) if any(p is not None for p in slices)]
+    def plan(self, weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]]) -> AdapterPlan:
+        """The page plan of `weights` (layer_weights' form): each targeted block takes cdiv(its largest rank,
+        PAGE_RANK) rows; the width reaches the end of the last targeted region of any of them."""
+        targeted = tuple(i for i, slices in enumerate(weights) if any(p is not None for p in slices))
         if not targeted:
             raise ValueError("the adapter targets no LoRA layer")
         ranks = torch.zeros(len(weights), dtype=torch.int32)
+        block_rank: dict[int, int] = {}
         for i in targeted:
             ranks[i] = max(a.shape[0] for a, _ in filter(None, weights[i]))
-        regions = self.layout.regions
-        start = min(regions[i].a_offset for i in targeted)
-        shape = (cdiv(int(ranks.max()), PAGE_RANK), max(regions[i].end for i in targeted) - start)
-        return targeted, ranks, start, shape
+            b = self.layout.block_of[i]
+            block_rank[b] = max(block_rank.get(b, 0), int(ranks[i]))
+        row_blocks = tuple(b for b in sorted(block_rank) for _ in range(cdiv(block_rank[b], PAGE_RANK)))
+        width = max(self.layout.regions[i].end for i in targeted)
+        return AdapterPlan(targeted, ranks, row_blocks, (len(row_blocks), width))
 
     def shape_of(self, adapter: LoRAAdapter) -> tuple[int, int]:
         """(pages, width) of the adapter's packed data."""
-        return self._plan(self.layer_weights(adapter))[-1]
+        return self.plan(self.layer_weights(adapter)).shape
 
     def pack(self, adapter: LoRAAdapter, data: torch.Tensor | None = None) -> PackedAdapter:
         """The adapter in page layout, written into `data` (zeros of self.dtype, shape_of(adapter)) when given,
@@ -145,18 +192,19 @@ class AdapterPacker:
     def pack_layers(self, weights: list[list[tuple[torch.Tensor, torch.Tensor] | None]],
                     data: torch.Tensor | None = None) -> PackedAdapter:
         """`pack` of weights given per layer and slice (layer_weights' form), e.g. one tensor-parallel rank's part."""
-        targeted, ranks, start, shape = self._plan(weights)
+        plan = self.plan(weights)
         if data is None:
-            data = torch.zeros(shape, dtype=self.dtype)  # [pages, width]
-        elif tuple(data.shape) != shape or data.dtype != self.dtype:
-            raise ValueError(f"packing needs a {shape} {self.dtype} buffer, got {tuple(data.shape)} {data.dtype}")
-        regions = self.layout.regions
-        num_pages = shape[0]
-        for i in targeted:
-            r = regions[i]
-            a_pages = data[:, r.a_offset - start:r.b_offset - start][:, :r.num_slices * PAGE_RANK * r.in_features]
+            data = torch.zeros(plan.shape, dtype=self.dtype)  # [pages, width]
+        elif tuple(data.shape) != plan.shape or data.dtype != self.dtype:
+            raise ValueError(f"packing needs a {plan.shape} {self.dtype} buffer, got {tuple(data.shape)} {data.dtype}")
+        for i in plan.targeted:
+            r = self.layout.regions[i]
+            first = plan.row_blocks.index(self.layout.block_of[i])  # the block's first row
+            rows = data[first:first + plan.row_blocks.count(self.layout.block_of[i])]  # [block pages, width]
+            num_pages = rows.shape[0]
+            a_pages = rows[:, r.a_offset:r.a_offset + r.num_slices * PAGE_RANK * r.in_features]
             a_pages = a_pages.view(num_pages, r.num_slices, PAGE_RANK, r.in_features)
-            b_pages = data[:, r.b_offset - start:r.end - start].view(num_pages, PAGE_RANK, r.out_features)
+            b_pages = rows[:, r.b_offset:r.end].view(num_pages, PAGE_RANK, r.out_features)
             for s, pair in enumerate(weights[i]):
                 if pair is None:
                     continue
@@ -164,14 +212,14 @@ class AdapterPacker:
                 lo, hi = r.slice_offsets[s], r.slice_offsets[s + 1]
                 full = a.shape[0] // PAGE_RANK  # whole pages in one copy each for A and B, then the rest
                 if full:
-                    rows = full * PAGE_RANK
-                    a_pages[:full, s] = a[:rows].reshape(full, PAGE_RANK, -1)
-                    b_pages[:full, :, lo:hi] = b[:, :rows].T.reshape(full, PAGE_RANK, -1)
+                    n = full * PAGE_RANK
+                    a_pages[:full, s] = a[:n].reshape(full, PAGE_RANK, -1)
+                    b_pages[:full, :, lo:hi] = b[:, :n].T.reshape(full, PAGE_RANK, -1)
                 rest = a.shape[0] - full * PAGE_RANK
                 if rest:
                     a_pages[full, s, :rest] = a[full * PAGE_RANK:]
                     b_pages[full, :rest, lo:hi] = b[:, full * PAGE_RANK:].T
-        return PackedAdapter(data, start, ranks)
+        return PackedAdapter(data, plan.row_blocks, plan.ranks)
 
 
 class AdapterPool:
@@ -182,14 +230,15 @@ class AdapterPool:
             raise ValueError(f"the adapter pool needs at least one page, got {num_pages}")
         self.layout = layout
         self.num_pages = num_pages
-        self.max_pages = cdiv(max_rank, PAGE_RANK)
+        self.max_pages = cdiv(max_rank, PAGE_RANK)  # pages per block of an adapter of max_rank
         self.device, self.dtype = torch.device(device), dtype
         self.storage = torch.zeros(num_pages, layout.page_elems, dtype=dtype, device=device)  # [P, page elements]
-        self.page_table = torch.zeros(num_pages, self.max_pages, dtype=torch.int32, device=device)  # [A, pages]
+        columns = layout.num_blocks * self.max_pages
+        self.page_table = torch.zeros(num_pages, columns, dtype=torch.int32, device=device)  # [A, blocks * pages]
         self.ranks = torch.zeros(len(layout.regions), num_pages, dtype=torch.int32, device=device)  # [layers, A]
         # each id's page-table row staged in pinned memory, so that its copy overlaps the steps too
-        self._table_rows = torch.zeros(num_pages, self.max_pages, dtype=torch.int32,
-                                       pin_memory=self.device.type == "cuda")  # [A, pages]
+        self._table_rows = torch.zeros(num_pages, columns, dtype=torch.int32,
+                                       pin_memory=self.device.type == "cuda")  # [A, blocks * pages]
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._free_ids = list(range(num_pages - 1, -1, -1))
         self._pages_of: dict[int, list[int]] = {}  # adapter id -> its pages
@@ -215,9 +264,14 @@ class AdapterPool:
         """(lora_a [P, S*PAGE_RANK, in], lora_b [P, PAGE_RANK, N], lora_rank [A]) of layer i."""
         return self.layout.a_view(self.storage, i), self.layout.b_view(self.storage, i), self.ranks[i]
 
+    def block_table(self, table: torch.Tensor, block: int) -> torch.Tensor:
+        """Block `block`'s columns of a page table shaped like this pool's: [A, max_pages] (rows contiguous)."""
+        return table[:, block * self.max_pages:(block + 1) * self.max_pages]
+
     # -- pages and ids ------------------------------------------------------------------
     def pages_for(self, rank: int) -> int:
-        return cdiv(rank, PAGE_RANK)
+        """The pages of an adapter of `rank` on every LoRA layer."""
+        return cdiv(rank, PAGE_RANK) * self.layout.num_blocks
 
     def allocate(self, num_pages: int) -> tuple[int, list[int]]:
         """An adapter id and `num_pages` free pages (the caller made room); raises RuntimeError otherwise."""
@@ -234,15 +288,17 @@ class AdapterPool:
         `allocate`, or on another rank of a tensor-parallel group from rank 0's pool. From pinned host memory
         the copies return at once; from ordinary memory each waits for the ones before it on the stream.
         (An id's staged row is rewritten only when the id is given again; a copy of its old row still in
-        flight then writes the new row: the id's new pages, which is right.)"""
+        flight then writes the new row: the id's new pages, which is right. Columns of blocks the adapter does
+        not target keep stale pages, never read: its rank in their layers is 0.)"""
         if len(pages) != packed.num_pages:
             raise ValueError(f"adapter id {adapter_id} holds {len(pages)} pages, the adapter needs {packed.num_pages}")
-        end = packed.span_start + packed.data.shape[1]
-        for p, page in enumerate(pages):
-            self.storage[page, packed.span_start:end].copy_(packed.data[p], non_blocking=True)
-        table_row = self._table_rows[adapter_id, :len(pages)]
-        table_row.copy_(torch.tensor(pages, dtype=torch.int32))
-        self.page_table[adapter_id, :len(pages)].copy_(table_row, non_blocking=True)
+        width = packed.data.shape[1]
+        table_row = self._table_rows[adapter_id]
+        for p, (page, block) in enumerate(zip(pages, packed.row_blocks)):
+            self.storage[page, :width].copy_(packed.data[p], non_blocking=True)
+            j = p - packed.row_blocks.index(block)  # its rank rows j * PAGE_RANK ... within the block
+            table_row[block * self.max_pages + j] = page
+        self.page_table[adapter_id].copy_(table_row, non_blocking=True)
         self.ranks[:, adapter_id].copy_(packed.ranks, non_blocking=True)
 
     def release(self, adapter_id: int) -> None:
@@ -253,6 +309,6 @@ class AdapterPool:
         self._free_ids.append(adapter_id)
 
     def capacity_summary(self) -> str:
-        """How many adapters of common ranks fit, e.g. '1024 of rank 8, 512 of rank 16, ...'."""
+        """How many adapters on every LoRA layer of common ranks fit, e.g. '1024 of rank 8, 512 of rank 16, ...'."""
         return ", ".join(f"{self.num_pages // self.pages_for(r)} of rank {r}"
                          for r in (8, 16, 32, 64, 128) if r <= self.rank_width)

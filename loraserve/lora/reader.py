@@ -270,16 +270,16 @@ class ProcessReader:
             raise LoRAAdapterError(adapter, problem, module)
         if kind == "failed":
             raise AdapterReaderError(name, f"can't be read: the adapter reader failed ({reply[1]})")
-        _, shape, span_start, ranks, rank, seconds, _ = reply
+        _, shape, row_blocks, ranks, rank, seconds, _ = reply
         if taken is not None:
             data, ranks_in_arena = taken
             ranks_in_arena.copy_(torch.tensor(ranks, dtype=torch.int32))
-            return LoadedAdapter(PackedAdapter(data, span_start, ranks_in_arena), rank, seconds)
+            return LoadedAdapter(PackedAdapter(data, tuple(row_blocks), ranks_in_arena), rank, seconds)
         try:
             fd = recv_handle(child.conn)
         except (EOFError, OSError) as exc:
             raise _ReaderFailed(f"the adapter reader process died sending its pages ({exc})") from None
-        packed = PackedAdapter(_map_shared(fd, shape, self.setup.packer.dtype), span_start,
+        packed = PackedAdapter(_map_shared(fd, shape, self.setup.packer.dtype), tuple(row_blocks),
                                torch.tensor(ranks, dtype=torch.int32))
         if self.host is not None:
             packed = self.host.hold(packed)  # one bulk copy
@@ -416,7 +416,7 @@ def _answer(conn: Connection, setup: ReaderSetup, arena: torch.Tensor | None, na
         else:
             shared, data = _shared_zeros(shape, setup.packer.dtype)
         packed = setup.packer.pack(adapter, data)
-        reply = ("packed", shape, packed.span_start, packed.ranks.tolist(), adapter.max_rank,
+        reply = ("packed", shape, packed.row_blocks, packed.ranks.tolist(), adapter.max_rank,
                  time.perf_counter() - start, records)
         del adapter, packed, data  # unmapped here: a shared file stays until the engine's process has it
     except LoRAAdapterError as exc:

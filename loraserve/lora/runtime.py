@@ -65,7 +65,7 @@ class KVRoom:
 class LoRABatch:
     """The LoRA state of one forward pass (ForwardContext.lora), read by the LoRA layers only."""
 
-    meta: LoRAMeta  # the step's token -> adapter metadata (static device buffers)
+    metas: tuple[LoRAMeta, ...]  # the step's token -> adapter metadata (static device buffers), per page block
     side: LoRASideStream | None  # decode-sized products beside the base GEMMs (CUDA); None: in place, in order
 
 
@@ -77,7 +77,7 @@ class PeerLoad:
     adapter_id: int
     pages: list[int]
     data: torch.Tensor  # [ranks - 1, pages, width]
-    span_start: int
+    row_blocks: tuple[int, ...]  # [pages]: the page block of each row
     ranks: np.ndarray  # [layers] int32: the adapter's rank in each LoRA layer
 
 
@@ -142,13 +142,15 @@ class LoRARuntime:
         # with several ranks, rank 0 packs every rank's part (adapters are then read on a thread: lora/reader.py)
         self.packer = TensorParallelPacker(packer, self.layers, tp) if tp.is_parallel else packer
         for i, (_, layer) in enumerate(self.layers):
-            layer.bind_pool(*self.pool.layer_views(i), self.pool.rank_width)
-        logger.info("LoRA adapter pool: %.2f GiB, %d pages of %d ranks (%.1f MiB each); it holds %s adapters "
-                    "on every LoRA layer; at most %d distinct adapters in one step",
+            layer.bind_pool(*self.pool.layer_views(i), self.pool.rank_width, layout.block_of[i])
+        logger.info("LoRA adapter pool: %.2f GiB, %d pages of %d ranks of a block of layers (%d blocks, %.1f MiB "
+                    "a page); it holds %s adapters on every LoRA layer; at most %d distinct adapters in one step",
                     self.pool.num_pages * self.pool.page_bytes / 2**30, self.pool.num_pages, PAGE_RANK,
-                    self.pool.page_bytes / 2**20,
+                    layout.num_blocks, self.pool.page_bytes / 2**20,
                     self.pool.capacity_summary(), config.max_loras)
-        self.metadata = LoRAMetaBuilder(max_step_tokens, config.max_loras, self.pool.page_table)
+        self.metadata = LoRAMetaBuilder(max_step_tokens, config.max_loras,
+                                        tuple(self.pool.block_table(self.pool.page_table, b)
+                                              for b in range(layout.num_blocks)))
         self.side: LoRASideStream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
@@ -159,7 +161,7 @@ class LoRARuntime:
         self.host: HostArena | None = None
         if self.device.type == "cuda" and tp.rank == 0:
             start = time.perf_counter()
-            headroom = 2 * self.pool.max_pages * self.pool.page_bytes  # adapters being read, not yet cached
+            headroom = 2 * self.pool.pages_for(config.max_lora_rank) * self.pool.page_bytes  # being read
             # shared where it can be, so that reader processes pack straight into it (lora/reader.py)
             self.host = HostArena(int(config.max_cpu_lora_memory * 2**30) + headroom,
                                   shared=hasattr(os, "memfd_create"))
@@ -167,8 +169,8 @@ class LoRARuntime:
                         time.perf_counter() - start)
 
     def _num_pages(self, layout: PageLayout, kv_room: KVRoom | None) -> int:
-        page_bytes = layout.page_elems * torch.empty((), dtype=self.dtype).element_size()
-        max_pages = cdiv(self.config.max_lora_rank, PAGE_RANK)
+        page_bytes = layout.page_elems * self.dtype.itemsize
+        max_pages = cdiv(self.config.max_lora_rank, PAGE_RANK) * layout.num_blocks  # one adapter on every layer
         step_pages = self.config.max_loras * max_pages  # the most one step can use
         if self.config.lora_gpu_memory is not None:
             size = int(self.config.lora_gpu_memory * 2**30)
@@ -192,10 +194,12 @@ class LoRARuntime:
                                     max(layer.lora_rows for layer in layers), splits, self.dtype, self.device)
 
     # -- a forward pass -------------------------------------------------------------------
-    def write_metadata(self, token_adapters: np.ndarray) -> LoRAMeta:
+    def write_metadata(self, token_adapters: np.ndarray) -> tuple[LoRAMeta, ...]:
         """Write the metadata of a step's tokens (token_adapters: [T] adapter id per token, -1 = base) into the
-        static buffers; the copy is issued on the current stream, ahead of the pass that reads it."""
-        return self.metadata.build(token_adapters)
+        static buffers (one LoRAMeta per page block); the copy is issued on the current stream, ahead of the
+        pass that reads it."""
+        self.metadata.build(token_adapters)
+        return self.metadata.metas
 
     def for_step(self, token_adapters: np.ndarray) -> LoRABatch:
         """write_metadata, and the LoRA state of an eager pass over these tokens."""
@@ -203,7 +207,7 @@ class LoRARuntime:
 
     def for_capture(self) -> LoRABatch:
         """The LoRA state of a pass captured into a CUDA graph: the static metadata buffers, not rewritten."""
-        return LoRABatch(self.metadata.meta, self._side_for_this_pass())
+        return LoRABatch(self.metadata.metas, self._side_for_this_pass())
 
     def _side_for_this_pass(self) -> LoRASideStream | None:
         return self.side.for_this_pass() if self.side is not None else None
@@ -219,6 +223,11 @@ class LoRARuntime:
             packed = self.packer.pack(adapter)
         return self.host.hold(packed) if self.host is not None else packed
 
+    def pages_of(self, adapter: LoRAAdapter) -> int:
+        """The pool pages `adapter` takes (the same on every rank of a tensor-parallel group)."""
+        packer = self.packer.packer if self.tp.is_parallel else self.packer
+        return packer.shape_of(adapter)[0]
+
     def release_host(self, packed: PackedAdapter) -> None:
         """The host cache dropped `packed`: its arena range is reused once its last copy to the pool is done."""
         if self.host is not None:
@@ -231,7 +240,7 @@ class LoRARuntime:
         a step in flight reads (the manager releases only adapters with no request running)."""
         adapter_id, pages = self.pool.allocate(packed.num_pages)
         if packed.peer_data is not None:
-            self._peer_loads.append(PeerLoad(adapter_id, pages, packed.peer_data, packed.span_start,
+            self._peer_loads.append(PeerLoad(adapter_id, pages, packed.peer_data, packed.row_blocks,
                                              packed.ranks.numpy().copy()))
         return adapter_id, self._write(adapter_id, pages, packed)
 
@@ -257,7 +266,7 @@ class LoRARuntime:
     def load_peer(self, load: PeerLoad) -> None:
         """Rank r > 0: write its part of an adapter rank 0 loaded, at the same id and pages; the current stream
         is ordered after the copy."""
-        packed = PackedAdapter(load.data[self.tp.rank - 1], load.span_start, torch.from_numpy(load.ranks))
+        packed = PackedAdapter(load.data[self.tp.rank - 1], load.row_blocks, torch.from_numpy(load.ranks))
         self.wait_for(self._write(load.adapter_id, load.pages, packed))
 
     def wait_for(self, event: torch.cuda.Event | None) -> None:

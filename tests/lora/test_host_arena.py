@@ -61,7 +61,7 @@ def test_a_range_is_reused_only_once_its_copy_is_done():
 
 def test_a_collected_range_waits_for_its_copy_too():
     arena = HostArena(3 * ALIGN_BYTES, pin=False)
-    held = arena.hold(PackedAdapter(torch.ones(1, 64), 0, torch.tensor([8], dtype=torch.int32)))  # one range
+    held = arena.hold(PackedAdapter(torch.ones(1, 64), (0,), torch.tensor([8], dtype=torch.int32)))  # one range
     assert arena.free_bytes == 0
     copy = FakeEvent()
     arena.copied(held.data, copy)
@@ -92,11 +92,11 @@ def test_collected_ranges_come_back_and_a_stale_one_never_frees_its_successor():
 
 
 def test_hold_moves_a_packed_adapter_in_and_falls_back_when_full():
-    packed = PackedAdapter(torch.randn(2, 300).bfloat16(), 64, torch.tensor([8, 0, 16], dtype=torch.int32))
+    packed = PackedAdapter(torch.randn(2, 300).bfloat16(), (0, 2), torch.tensor([8, 0, 16], dtype=torch.int32))
     arena = HostArena(16 * ALIGN_BYTES, pin=False)
     held = arena.hold(packed)  # 1,200 bytes of data (10 units) and 12 of ranks (1 unit)
     assert torch.equal(held.data, packed.data) and torch.equal(held.ranks, packed.ranks)
-    assert held.span_start == 64 and _start(arena, held.data) == 0 and _start(arena, held.ranks) == 10 * ALIGN_BYTES
+    assert held.row_blocks == (0, 2) and _start(arena, held.data) == 0 and _start(arena, held.ranks) == 10 * ALIGN_BYTES
     assert arena.free_bytes == 5 * ALIGN_BYTES
     assert arena.hold(packed) is packed  # no room: it stays where it is
     assert arena.free_bytes == 5 * ALIGN_BYTES

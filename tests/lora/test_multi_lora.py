@@ -75,11 +75,13 @@ def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_
                 max_cpu_loras=8)
     expected = run(roomy, 1)
     page_bytes = roomy.engine.lora_manager.pool.page_bytes
-    # a pool of 4 pages (ranks 4 and 8 take one, rank 16 two), 2 adapters per step, 3 in the host cache
+    unit = roomy.engine.lora_manager.pages_of("a1")  # rank 8: ranks 4 and 8 take one unit of pages, rank 16 two
+    # a pool of 4 units, 2 adapters per step, 3 in the host cache
     tight = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16,
-                lora_gpu_memory=4.5 * page_bytes / 2**30, max_cpu_loras=3)
+                lora_gpu_memory=(4 * unit + 0.5) * page_bytes / 2**30, max_cpu_loras=3)
     engine, manager = tight.engine, tight.engine.lora_manager
-    assert manager.pool.num_pages == 4
+    assert manager.pool.num_pages == 4 * unit
+    assert [roomy.engine.lora_manager.pages_of(f"a{i}") for i in range(3)] == [unit, unit, 2 * unit]
     peak = {"pages": 0, "cpu": 0, "running": 0}
     original_step = engine.step
 
@@ -99,7 +101,7 @@ def test_churn_matches_no_churn_output_and_respects_limits(lora_setup, tmp_path_
     for (i, prompt), out in list(zip(jobs, tight_outputs))[::8]:
         ref = teacher_forced_logprobs(peft, prompt, out.outputs[0].token_ids, adapter_names=[f"a{i}"])
         assert_matches_reference(out, ref)
-    assert peak["pages"] <= 4 and peak["cpu"] <= 3 and peak["running"] == 2
+    assert peak["pages"] <= 4 * unit and peak["cpu"] <= 3 and peak["running"] == 2
     assert manager.num_gpu_evictions > 0 and not manager.refcounts
     # pages only return on eviction: what is resident accounts for every used page
     assert manager.pool.used_pages == sum(manager.pages_of(n) for n in manager.resident_on_gpu)
@@ -208,25 +210,31 @@ def test_adapter_broken_after_registration_fails_only_its_requests(lora_setup, t
 
 
 def test_pinning_never_evicts_an_adapter_in_use_and_leaves_room(lora_setup):
-    """A pool of 3 pages (max_lora_rank 16: 2 pages): with r4 (1 page) and qv_only (2 pages) running it is
-    full, so pinning waits for them; later a pin that would leave no room for a max-rank adapter is refused."""
+    """A pool that r4 and r8_rslora fill together (max_lora_rank 8): with both running, pinning "pattern" waits
+    for them; later a pin that would leave no room for a max-rank adapter is refused."""
     from loraserve.errors import InvalidRequestError
 
     folder, adapters = lora_setup
-    probe = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16)
-    page_bytes = probe.engine.lora_manager.pool.page_bytes
-    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=16,
-              lora_gpu_memory=3.5 * page_bytes / 2**30)
+    probe = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=8)
+    for name in ("r4", "r8_rslora", "pattern"):
+        probe.add_lora(LoRARequest(name, adapters[name]))
+    pm = probe.engine.lora_manager
+    room = pm.pages_of("r4") + pm.pages_of("r8_rslora")
+    largest = pm.pool.pages_for(8)
+    assert pm.pages_of("pattern") + largest <= room  # pinning "pattern" leaves room for a max-rank adapter
+    assert pm.pages_of("pattern") + pm.pages_of("r4") + largest > room  # and pinning r4 beside it would not
+    llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=8,
+              lora_gpu_memory=(room + 0.5) * pm.pool.page_bytes / 2**30)
     engine, manager = llm.engine, llm.engine.lora_manager
-    assert manager.pool.num_pages == 3
+    assert manager.pool.num_pages == room
     llm.add_lora(LoRARequest("r4", adapters["r4"]))  # registered first: add_request would read them in the
-    llm.add_lora(LoRARequest("qv", adapters["qv_only"]))  # background, and the first step might not run them
+    llm.add_lora(LoRARequest("r8", adapters["r8_rslora"]))  # background, and the first step might not run them
     engine.add_request("a", [4, 5, 6], GREEDY, LoRARequest("r4"))
-    engine.add_request("b", [4, 5, 6], GREEDY, LoRARequest("qv"))
+    engine.add_request("b", [4, 5, 6], GREEDY, LoRARequest("r8"))
     engine.step()  # both adapters now fill the pool with requests in flight
     with pytest.raises(InvalidRequestError, match="in flight"):
         llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)
-    assert set(manager.resident_on_gpu) == {"r4", "qv"} and not manager.pinned
+    assert set(manager.resident_on_gpu) == {"r4", "r8"} and not manager.pinned
     while engine.has_unfinished_requests():
         engine.step()
     llm.add_lora(LoRARequest("p", adapters["pattern"]), pinned=True)  # now an idle adapter makes room

@@ -60,7 +60,7 @@ def _probe(llm, n, token_slots, seed):
                                  torch.from_numpy(inputs.block_tables).to(dev), torch.from_numpy(inputs.seq_lens).to(dev),
                                  torch.arange(n + 1, dtype=torch.int32, device=dev), 1, True)
         # LoRA products in place (no side stream), on the unpadded batch
-        lora = LoRABatch(runner.lora.metadata.build(np.asarray(lora_ids)), None) if lora_ids is not None else None
+        lora = LoRABatch(runner.lora.write_metadata(np.asarray(lora_ids)), None) if lora_ids is not None else None
         return runner.model(torch.from_numpy(inputs.input_ids).to(dev), torch.from_numpy(inputs.positions).to(dev),
                             ForwardContext(attn, lora)).clone()
 
@@ -115,7 +115,9 @@ def test_side_stream_delta_equals_in_place_lora(setup):
     assert runner.lora.side is not None
     dev = torch.device("cuda")
     builder0 = runner.lora.metadata
-    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras, runner.lora.pool.page_table)
+    pool = runner.lora.pool
+    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras,
+                                    tuple(pool.block_table(pool.page_table, b) for b in range(pool.layout.num_blocks)))
     # 9 and 5 tokens share kernel shapes (the bound side-stream launches), 100 has others; another
     # metadata buffer must not be served by launches bound to the runner's
     for n, builder in ((9, builder0), (5, builder0), (100, builder0), (5, other_builder)):
@@ -129,7 +131,8 @@ def test_side_stream_delta_equals_in_place_lora(setup):
         outs = []
         with torch.inference_mode():
             for side in (runner.lora.side.for_this_pass(), None):
-                lora = LoRABatch(builder.build(token_slots), side)
+                builder.build(token_slots)
+                lora = LoRABatch(builder.metas, side)
                 outs.append(runner.model(ids, positions, ForwardContext(attn, lora)).clone())
         assert torch.equal(outs[0], outs[1]), f"{n} tokens"
 
@@ -162,7 +165,7 @@ def test_factored_lora_equals_in_place_lora(setup):
         for on in (True, False):
             for layer in factored:
                 layer.factored = on
-            lora = LoRABatch(runner.lora.metadata.build(token_slots), None)
+            lora = LoRABatch(runner.lora.write_metadata(token_slots), None)
             outs.append(runner.model(ids, positions, ForwardContext(attn, lora)).float())
         base = runner.model(ids, positions, ForwardContext(attn, None)).float()
     for layer in factored:
@@ -237,14 +240,15 @@ def test_graphs_with_lora_match_peft_bf16(setup):
 
 def test_graphs_follow_adapters_moving_through_a_full_pool(setup):
     """Graph replay equals eager for every bucket while adapters are evicted and loaded between replays:
-    a pool of 6 pages (max_lora_rank 16: 2 each) and 12 adapters of ranks 8 and 16 taking turns, so pages
-    are reused by other adapters and ids change."""
+    a pool of 6 pages of every page block (max_lora_rank 16: 2 each) and 12 adapters of ranks 8 and 16 taking
+    turns, so pages are reused by other adapters and ids change."""
     folder, _, first = setup
-    page = first.engine.lora_manager.pool.page_bytes  # the same model, dtype and layers: the same pages
+    pool = first.engine.lora_manager.pool  # the same model, dtype and layers: the same pages and blocks
+    room = 6 * pool.layout.num_blocks
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=40, enable_lora=True,
-              max_loras=3, max_lora_rank=16, lora_gpu_memory=6.5 * page / 2**30)
+              max_loras=3, max_lora_rank=16, lora_gpu_memory=(room + 0.5) * pool.page_bytes / 2**30)
     manager = llm.engine.lora_manager
-    assert manager.pool.num_pages == 6
+    assert manager.pool.num_pages == room
     for i in range(12):
         manager.register_adapter(f"m{i}", random_adapter(manager.runtime.spec, f"m{i}", [8, 16][i % 2], seed=40 + i,
                                                          std=0.05))
@@ -252,7 +256,7 @@ def test_graphs_follow_adapters_moving_through_a_full_pool(setup):
     rng = random.Random(3)
     for round_ in range(6):
         names = rng.sample([f"m{i}" for i in range(12)], 3)
-        if sum(manager.pages_of(n) for n in names) > 6:
+        if sum(manager.pages_of(n) for n in names) > room:
             names = names[:2]
         ids = manager.prepare(set(names), set())
         for bucket in gr.buckets:
@@ -272,9 +276,11 @@ def test_prefill_graphs_follow_adapters_moving_through_a_full_pool(setup):
     bucket's replay equals the eager forward of the same step while adapters are evicted and loaded between
     replays, and the rows of adapters differ from the same step on the base model (LoRA was not left out)."""
     folder, _, first = setup
-    page = first.engine.lora_manager.pool.page_bytes
+    pool = first.engine.lora_manager.pool
+    room = 6 * pool.layout.num_blocks  # 6 pages of every page block
     llm = LLM(folder, device="cuda", dtype="bfloat16", max_model_len=512, max_num_seqs=40, enable_lora=True,
-              max_loras=3, max_lora_rank=16, lora_gpu_memory=6.5 * page / 2**30, max_num_batched_tokens=512)
+              max_loras=3, max_lora_rank=16, lora_gpu_memory=(room + 0.5) * pool.page_bytes / 2**30,
+              max_num_batched_tokens=512)
     runner, manager = llm.engine.runner, llm.engine.lora_manager
     graphs = runner.mixed_graphs
     assert graphs.buckets == [32, 64, 96, 128, 192, 256, 384, 512] and set(graphs.graphs) == set(graphs.buckets)
@@ -284,7 +290,7 @@ def test_prefill_graphs_follow_adapters_moving_through_a_full_pool(setup):
     rng = random.Random(4)
     for round_ in range(4):
         names = rng.sample([f"p{i}" for i in range(8)], 3)
-        if sum(manager.pages_of(n) for n in names) > 6:
+        if sum(manager.pages_of(n) for n in names) > room:
             names = names[:2]
         ids = sorted(manager.prepare(set(names), set()).values())
         for bucket in graphs.buckets:
