@@ -10,7 +10,7 @@ import torch
 from loraserve.config import LoRAConfig
 from loraserve.errors import InvalidRequestError
 from loraserve.kernels.lora_meta import PAGE_RANK
-from loraserve.kernels.lora_ops import lora_apply_ref
+from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import gather_a, gather_b
 from loraserve.lora.manager import IN_MEMORY, LoRAManager
 from loraserve.lora.pool import PageLayout
@@ -131,6 +131,37 @@ def test_a_partial_adapter_in_reused_pages_reads_no_stale_weights():
             lora_apply_ref(x_in, y, lay.lora_a, lay.lora_b, lay.lora_rank, meta, lay.slice_offsets)
             ys.append(y)
         assert torch.equal(ys[0], ys[1])
+
+
+def test_kernels_read_each_layers_page_block():
+    """An adapter on every layer and one on q/k/v/o in scattered pages of a pool of several page blocks: in
+    every LoRA layer the Triton kernels (interpreted on the CPU) and the torch reference, reading the layer's
+    block columns of the page table, give each token the product of its own adapter's weights."""
+    runtime = tiny_runtime(max_rank=16, pages=4)
+    assert runtime.pool.layout.num_blocks > 1
+    hole = runtime.load(runtime.pack(random_adapter(runtime.spec, "hole", 8, seed=3)))[0]
+    every = random_adapter(runtime.spec, "every", 16, seed=4)
+    every_id = runtime.load(runtime.pack(every))[0]
+    runtime.release(hole)  # the next adapter takes its pages, before the ones after "every"'s
+    qkvo = random_adapter(runtime.spec, "qkvo", 8, QKVO, seed=5)
+    qkvo_id = runtime.load(runtime.pack(qkvo))[0]
+    rows = [every, None, qkvo, every, qkvo, None]
+    metas = runtime.write_metadata(np.array([every_id, -1, qkvo_id, every_id, qkvo_id, -1]))
+    gen = torch.Generator().manual_seed(0)
+    for layer_index, layer in runtime.layers:
+        x = torch.randn(len(rows), layer.in_features, generator=gen)
+        want = torch.zeros(len(rows), layer.out_features)  # each row: its adapter's x A^T B^T, slice by slice
+        for t, adapter in enumerate(rows):
+            for s, module in enumerate(layer.slice_names):
+                pair = adapter.weights.get((layer_index, module)) if adapter is not None else None
+                if pair is not None:
+                    want[t, layer.slice_offsets[s]:layer.slice_offsets[s + 1]] = x[t] @ pair[0].T @ pair[1].T
+        args = (layer.lora_a, layer.lora_b, layer.lora_rank, metas[layer.page_block], layer.slice_offsets)
+        for apply in (lora_apply, lora_apply_ref):
+            y = torch.zeros(len(rows), layer.out_features)
+            apply(x, y, *args)
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        assert want[0].abs().max() > 0  # every layer has a product to check
 
 
 def test_a_pool_smaller_than_one_max_rank_adapter_is_refused():
