@@ -143,10 +143,10 @@ class LoRARuntime:
         self.packer = TensorParallelPacker(packer, self.layers, tp) if tp.is_parallel else packer
         for i, (_, layer) in enumerate(self.layers):
             layer.bind_pool(*self.pool.layer_views(i), self.pool.rank_width, layout.block_of[i])
-        logger.info("LoRA adapter pool: %.2f GiB, %d pages of %d ranks of a block of layers (%d blocks, %.1f MiB "
-                    "a page); it holds %s adapters on every LoRA layer; at most %d distinct adapters in one step",
-                    self.pool.num_pages * self.pool.page_bytes / 2**30, self.pool.num_pages, PAGE_RANK,
-                    layout.num_blocks, self.pool.page_bytes / 2**20,
+        logger.info("LoRA adapter pool: %.2f GiB in %d pages of %.1f MiB (each %d rank rows of one of %d blocks of "
+                    "layers); it holds %s adapters on every LoRA layer; at most %d distinct adapters in one step",
+                    self.pool.num_pages * self.pool.page_bytes / 2**30, self.pool.num_pages,
+                    self.pool.page_bytes / 2**20, PAGE_RANK, layout.num_blocks,
                     self.pool.capacity_summary(), config.max_loras)
         self.metadata = LoRAMetaBuilder(max_step_tokens, config.max_loras,
                                         tuple(self.pool.block_table(self.pool.page_table, b)
