@@ -199,7 +199,7 @@ class LoRAManager:
         """Pinned adapters (with `name`, of `pages` pages) must leave room in the pool for one adapter of
         max_lora_rank on every layer."""
         pinned = sum(self.pages_of(n) for n in self._pinned if n != name)
-        if pinned + pages + self.pool.pages_for(self.config.max_lora_rank) > self.pool.num_pages:
+        if pinned + pages + self.pool.max_adapter_pages > self.pool.num_pages:
             raise InvalidRequestError(f"can't pin LoRA adapter {name!r}: pinned adapters must leave room for an "
                                       "adapter of max_lora_rank in the GPU pool")
 
@@ -288,6 +288,10 @@ class LoRAManager:
         parallelism)."""
         return pages * self.pool.page_bytes * self.runtime.tp.size
 
+    def _largest_read_bytes(self) -> int:
+        """`_read_bytes` of an adapter of max_lora_rank on every layer: what a read not done yet may take."""
+        return self._read_bytes(self.pool.max_adapter_pages)
+
     def _read_state(self) -> tuple[int, int]:
         """(reads in flight, host cache bytes of adapters that waiting requests need in the pool)."""
         in_flight = sum(not f.done() for f in self._reading.values()) + len(self._registering)
@@ -304,8 +308,7 @@ class LoRAManager:
             return False
         if in_flight == 0 and (first or awaited == 0):
             return True
-        estimate = self._read_bytes(self.pool.pages_for(self.config.max_lora_rank))  # a read: at most this
-        return awaited + in_flight * estimate + nbytes <= self.config.max_cpu_lora_memory * 2**30
+        return awaited + in_flight * self._largest_read_bytes() + nbytes <= self.config.max_cpu_lora_memory * 2**30
 
     def _awaited(self, name: str) -> bool:
         """Whether requests wait for adapter `name` to come into the pool (its host copy is still to be used)."""
@@ -465,7 +468,7 @@ class LoRAManager:
 
     def _start_registrations(self) -> None:
         """Start queued registration reads, first queued first, while `_may_start_read` allows."""
-        estimate = self._read_bytes(self.config.max_lora_rank)  # its rank is known once it is read
+        estimate = self._largest_read_bytes()  # its pages are known once it is read
         in_flight, awaited = self._read_state()
         while self._queued_registrations and self._may_start_read(estimate, in_flight, awaited):
             name, path = self._queued_registrations.popitem(last=False)

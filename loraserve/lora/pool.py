@@ -253,6 +253,11 @@ class AdapterPool:
         return self.max_pages * PAGE_RANK
 
     @property
+    def max_adapter_pages(self) -> int:
+        """The pages of the largest adapter: max_rank on every LoRA layer."""
+        return self.max_pages * self.layout.num_blocks
+
+    @property
     def free_pages(self) -> int:
         return len(self._free_pages)
 

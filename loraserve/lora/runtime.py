@@ -98,6 +98,10 @@ class TensorParallelPacker:
         packed.peer_data = peers  # [ranks - 1, pages, width]
         return packed
 
+    def shape_of(self, adapter: LoRAAdapter) -> tuple[int, int]:
+        """(pages, width) of each rank's packed part (the same on every rank)."""
+        return self.packer.shape_of(adapter)
+
     def pack_own(self, adapter: LoRAAdapter) -> PackedAdapter:
         """This rank's part alone (an adapter every rank packs for itself: the graph check's probes)."""
         return self.packer.pack_layers(self._rank_weights(adapter, self.tp.rank))
@@ -161,7 +165,7 @@ class LoRARuntime:
         self.host: HostArena | None = None
         if self.device.type == "cuda" and tp.rank == 0:
             start = time.perf_counter()
-            headroom = 2 * self.pool.pages_for(config.max_lora_rank) * self.pool.page_bytes  # being read
+            headroom = 2 * self.pool.max_adapter_pages * self.pool.page_bytes  # adapters being read, not yet cached
             # shared where it can be, so that reader processes pack straight into it (lora/reader.py)
             self.host = HostArena(int(config.max_cpu_lora_memory * 2**30) + headroom,
                                   shared=hasattr(os, "memfd_create"))
@@ -225,8 +229,7 @@ class LoRARuntime:
 
     def pages_of(self, adapter: LoRAAdapter) -> int:
         """The pool pages `adapter` takes (the same on every rank of a tensor-parallel group)."""
-        packer = self.packer.packer if self.tp.is_parallel else self.packer
-        return packer.shape_of(adapter)[0]
+        return self.packer.shape_of(adapter)[0]
 
     def release_host(self, packed: PackedAdapter) -> None:
         """The host cache dropped `packed`: its arena range is reused once its last copy to the pool is done."""
