@@ -425,9 +425,17 @@ def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS, e
                 us=graph_us([pair(i) for i in range(ops)], reps), bytes=float(np.mean(moved)))
 
 
+# --grid-variants: other decode expand shapes timed beside the default one, (name, config, smallest T it applies to)
+GRID_EXPAND_VARIANTS = (
+    ("32-token tiles", ExpandConfig(32, 128, 16, num_warps=4), 65),
+    ("two stages", ExpandConfig(16, 128, 16, num_warps=4, num_stages=2, dynamic=True), 1),
+    ("512 columns", ExpandConfig(16, 512, 16, num_warps=4, num_stages=1, dynamic=True), 1),
+)
+
+
 def decode_grid(bw, reps, variants=False):
     """The decode pair (shrink, expand into a delta) per layer, T and distinct adapters, against its byte floor;
-    with `variants`, the expand also with 32-token tiles at T > 64."""
+    with `variants`, the expand also in each GRID_EXPAND_VARIANTS shape."""
     rows = []
     gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     print(f"\ndecode pair (shrink + expand into a delta), rank {GRID_RANK}, us (x byte floor)")
@@ -440,12 +448,12 @@ def decode_grid(bw, reps, variants=False):
                 row = dict(layer=name, T=t, adapters=n, distinct=min(n, t))
                 row.update(time_pair(layer, t, min(n, t), rng, reps, overwrite=True))
                 row["floor_us"] = 1e6 * row["bytes"] / bw
-                if variants and t > 64:
-                    other = time_pair(layer, t, min(n, t), rng, reps, overwrite=True,
-                                      expand_cfg=ExpandConfig(32, 128, 16, num_warps=4))
-                    row["expand_bm32_us"], row["pair_bm32_us"] = other["expand_us"], other["us"]
-                    print(f"  {name} T={t} n={n}: expand {row['expand_us']:.2f} us, with 32-token tiles "
-                          f"{other['expand_us']:.2f} us (pair {row['us']:.2f} / {other['us']:.2f})")
+                for label, cfg, min_tokens in GRID_EXPAND_VARIANTS if variants else ():
+                    if t >= min_tokens:
+                        other = time_pair(layer, t, min(n, t), rng, reps, overwrite=True, expand_cfg=cfg)
+                        row[f"expand_us ({label})"] = other["expand_us"]
+                        print(f"  {name} T={t} n={n}: expand {row['expand_us']:.2f} us, with {label} "
+                              f"{other['expand_us']:.2f} us (pair {row['us']:.2f} / {other['us']:.2f})")
                 rows.append(row)
                 cells.append(f"{row['us']:8.2f} ({row['us'] / row['floor_us']:4.2f}x)")
         print(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
@@ -486,7 +494,8 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="also time alternative kernel shapes")
     parser.add_argument("--decode-grid", action="store_true",
                         help="only the decode pair at T = 32/128/256 and 8/64/256 adapters (and what follows)")
-    parser.add_argument("--grid-variants", action="store_true", help="--decode-grid: also 32-token expand tiles")
+    parser.add_argument("--grid-variants", action="store_true",
+                        help="--decode-grid: also other expand shapes (32-token tiles, two stages, 512 columns)")
     parser.add_argument("--prefill", action="store_true", help="the prefill shrink and expand at T = 8192")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")

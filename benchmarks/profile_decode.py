@@ -5,6 +5,8 @@ Builds one engine, starts B sequences in the decode state (bench_common.start_de
 profiler's kernel table for a few steps.
 
     python benchmarks/profile_decode.py --model synthetic:llama-3-8b --batch 1 --context 128
+    python benchmarks/profile_decode.py --batch 256 --context 512 --adapters 200 --lora-rank 8 \
+        --targets q_proj,k_proj,v_proj,o_proj
 """
 from __future__ import annotations
 
@@ -29,15 +31,21 @@ def main() -> None:
     parser.add_argument("--model", default="synthetic:llama-3-8b")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--adapters", type=int, default=0, help="distinct r=16 adapters (0: no LoRA engine)")
+    parser.add_argument("--adapters", type=int, default=0, help="distinct adapters (0: no LoRA engine)")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--targets", default="", help="comma-separated PEFT module names (default: every module)")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    lora = dict(enable_lora=True, max_loras=max(1, args.adapters), max_lora_rank=16) if args.adapters else {}
+    lora = {}
+    if args.adapters:
+        lora = dict(enable_lora=True, max_loras=args.adapters, max_lora_rank=args.lora_rank)
     engine = LLMEngine.from_args(EngineArgs(args.model, max_model_len=args.context + 256,
                                             max_num_seqs=max(args.batch, 1), gpu_memory_utilization=0.85, **lora))
     names = []
+    targets = tuple(args.targets.split(",")) if args.targets else None
     for i in range(args.adapters):
-        engine.lora_manager.register_adapter(f"a{i}", random_adapter(engine.lora_manager.runtime.spec, f"a{i}", 16, seed=i))
+        adapter = random_adapter(engine.lora_manager.runtime.spec, f"a{i}", args.lora_rank, targets, seed=i)
+        engine.lora_manager.register_adapter(f"a{i}", adapter)
         names.append(f"a{i}")
     fill_kv_random(engine)
     start_decode_batch(engine, args.batch, args.context, args.steps + 40, names or [None])
@@ -59,7 +67,7 @@ def main() -> None:
         end.record()
         end.synchronize()
         replays.append(start.elapsed_time(end) / 1e3)
-    print(f"{args.model} B={args.batch} ctx={args.context} adapters={args.adapters}: "
+    print(f"{args.model} B={args.batch} ctx={args.context} adapters={args.adapters} rank={args.lora_rank}: "
           f"step {np.median(walls) * 1e3:.3f} ms, graph replay alone {np.median(replays) * 1e3:.3f} ms, "
           f"outside the graph {(np.median(walls) - np.median(replays)) * 1e3:.3f} ms")
     from torch.profiler import ProfilerActivity, profile

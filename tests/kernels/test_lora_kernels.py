@@ -421,12 +421,12 @@ def test_bound_lora_delta_serves_later_steps_of_its_shape():
     ranks = [16, 5, 0, 8]
     pool = make_weights(4, (40, 32), 16, 1030, ranks, torch.float32, DEVICE, gen)
     a, b, slot_rank = pool["a"], pool["b"], pool["rank"]
-    builder = LoRAMetaBuilder(max_tokens=80, max_loras=4, page_table=pool["table"])
+    builder = LoRAMetaBuilder(max_tokens=300, max_loras=4, page_table=pool["table"])
     offsets = offsets_of((40, 32))
-    splits = max(shrink_config(t, 1030, 32).split_k for t in (1, 80))
-    scratch = LoRAScratch.allocate(80, 72, 32, splits, torch.float32, DEVICE)
+    splits = max(shrink_config(t, 1030, 32).split_k for t in (1, 300))
+    scratch = LoRAScratch.allocate(300, 72, 32, splits, torch.float32, DEVICE)
     bound_list = []
-    for num_tokens, expect_bound in ((24, False), (5, True), (70, False), (24, True), (70, True), (1, True)):
+    for num_tokens, expect_bound in ((24, False), (5, True), (280, False), (24, True), (280, True), (1, True)):
         meta = meta_of(pool, rng.integers(-1, 4, num_tokens), builder)
         x = torch.randn(num_tokens, 1030, generator=gen).to(DEVICE)
         scratch.delta.fill_(float("nan"))
@@ -442,13 +442,13 @@ def test_bound_lora_delta_serves_later_steps_of_its_shape():
         lora_apply_ref(x, want, a, b, slot_rank, meta, offsets)
         torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
         assert not meta.tile_counters.any()
-    other = meta_of(pool, np.zeros(5, dtype=np.int64), LoRAMetaBuilder(80, 4, pool["table"]))
+    other = meta_of(pool, np.zeros(5, dtype=np.int64), LoRAMetaBuilder(300, 4, pool["table"]))
     x = torch.randn(5, 1030, generator=gen).to(DEVICE)
     assert not any(bd.fits(x, other, scratch) for bd in bound_list)
-    assert not any(bd.fits(x, builder.meta, LoRAScratch.allocate(80, 72, 32, splits, torch.float32, DEVICE))
+    assert not any(bd.fits(x, builder.meta, LoRAScratch.allocate(300, 72, 32, splits, torch.float32, DEVICE))
                    for bd in bound_list)
-    with pytest.raises(ValueError, match="scratch holds 1..80"):
-        lora_delta(torch.zeros(81, 1030, device=DEVICE), scratch, a, b, slot_rank, builder.meta, offsets)
+    with pytest.raises(ValueError, match="scratch holds 1..300"):
+        lora_delta(torch.zeros(301, 1030, device=DEVICE), scratch, a, b, slot_rank, builder.meta, offsets)
 
 
 def test_meta_builder_groups_tokens_by_adapter():
