@@ -32,7 +32,9 @@ mean distinct adapters per step, the run's floor and achieved/floor, adapter
 bytes copied host-to-device, pool loads, evictions and use, TTFT p50/p99
 overall and per popularity class (zipf: "hot" = the requests of the 10 % most
 popular adapters, "cold" = the rest; fairness: the hot adapter and the cold
-ones) and ITL p50/p99. The floor of a step is max(bytes / copy bandwidth,
+ones), ITL p50/p99, and the wall time split by the kind of step between
+schedule calls (decode rows only; with prompt tokens; nothing to run, e.g.
+waiting for adapter reads). The floor of a step is max(bytes / copy bandwidth,
 FLOPs / GEMM rate), both measured in the same run: bytes = weights + KV read
 (context of every scheduled sequence) + the step's distinct adapters (A + B in
 the model dtype), FLOPs = 2 x decoder-layer parameters x prompt tokens computed
@@ -159,6 +161,26 @@ class StepRecord(NamedTuple):
     pool_bytes_used: int  # the adapter pool's use when the step was scheduled (0: no LoRA)
 
 
+STEP_KINDS = ("decode", "prompt", "idle")  # decode rows only; with prompt tokens; nothing to run (schedule empty)
+
+
+@dataclass
+class StepLog:
+    """The recorded steps, and per schedule call its time and kind (STEP_KINDS)."""
+
+    steps: list[StepRecord]
+    marks: list[tuple[float, str]]  # (perf_counter at the call, kind)
+
+    def seconds_by_kind(self, end: float) -> dict[str, dict]:
+        """Per kind: schedule calls, and the seconds from each call to the next (the last one's to `end`): the
+        engine's period for that kind of step (with async scheduling a step's time ends at the next schedule)."""
+        out = {kind: {"calls": 0, "seconds": 0.0} for kind in STEP_KINDS}
+        for (t, kind), later in zip(self.marks, [t for t, _ in self.marks[1:]] + [end]):
+            out[kind]["calls"] += 1
+            out[kind]["seconds"] += later - t
+        return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bc.add_common_args(p, "synthetic:llama-3-8b")
@@ -209,27 +231,32 @@ def decoder_layer_params(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def record_steps(engine) -> Iterator[list[StepRecord]]:
+def record_steps(engine) -> Iterator[StepLog]:
     """Wrap engine.scheduler.schedule (an instance attribute over the method, removed on exit) so that each
-    non-empty step it makes is recorded, before the engine advances its sequences."""
-    records: list[StepRecord] = []
+    non-empty step it makes is recorded, before the engine advances its sequences, and every call is timed."""
+    log = StepLog([], [])
     schedule = engine.scheduler.schedule
     manager = engine.lora_manager
 
     def recorded() -> SchedulerOutput:
         pool_used = manager.pool_bytes_used if manager is not None else 0
+        called = time.perf_counter()
         out = schedule()
-        if not out.is_empty:
+        if out.is_empty:
+            log.marks.append((called, "idle"))
+        else:
             decode = [s for s in out.scheduled if s.seq.num_computed_tokens >= len(s.seq.prompt_token_ids)]
-            records.append(StepRecord(
-                len(out.scheduled), len(decode), out.num_tokens - len(decode),
+            prefill_tokens = out.num_tokens - len(decode)
+            log.steps.append(StepRecord(
+                len(out.scheduled), len(decode), prefill_tokens,
                 sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled),
                 frozenset(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None), pool_used))
+            log.marks.append((called, "prompt" if prefill_tokens else "decode"))
         return out
 
     engine.scheduler.schedule = recorded
     try:
-        yield records
+        yield log
     finally:
         del engine.scheduler.schedule
 
@@ -350,9 +377,11 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         engine.block_manager.reset_prefix_cache()  # the timed replay computes its prompts again
     before = engine.stats()
     preempted_before = engine.scheduler.num_preemptions
-    with record_steps(engine) as steps:
+    with record_steps(engine) as log:
         elapsed, times, _ = throughput.run_loop(engine, trace.prompts, trace.out_lens, trace.arrivals, names)
+        end = time.perf_counter()
     after = engine.stats()
+    steps = log.steps
     floor = run_floor(engine, steps, sizes, ceilings)
     decode_steps = [s.num_decode for s in steps if s.num_decode]
     out_tokens = sum(len(t) for t in times.values())
@@ -374,8 +403,9 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "read_seconds_p50": float(np.median(engine.lora_manager.recent_load_seconds)) if scenario else None,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
+        "step_seconds": log.seconds_by_kind(end),
         **latency(trace, times, classes)}
-    del engine, steps
+    del engine, steps, log
     bc.release_memory()
     if root is not None:
         shutil.rmtree(root)
@@ -431,6 +461,10 @@ def print_results(runs: dict[str, dict], args, device) -> None:
               f"FLOPs {floor['flop_floor_s']:.3f} s), mean batch {r['mean_batch']:.1f}, "
               f"{r['preemptions']} preemptions, {r['host_loads']} host cache loads"
               + (f" (read p50 {r['read_seconds_p50']:.3f} s)" if r["read_seconds_p50"] is not None else ""))
+        split = r["step_seconds"]
+        print(f"    {split['decode']['calls']} decode-only steps {split['decode']['seconds']:.2f} s, "
+              f"{split['prompt']['calls']} with prompt tokens {split['prompt']['seconds']:.2f} s, "
+              f"{split['idle']['calls']} schedules with nothing to run {split['idle']['seconds']:.2f} s")
     bc.print_engines({name: r["engine"] for name, r in runs.items()}, with_kv_blocks=True)
 
 

@@ -34,6 +34,11 @@ def test_many_adapters_quick(tmp_path):
         assert floor["bytes"] == floor["weight_bytes"] + floor["kv_bytes"] + floor["adapter_bytes"], name
         assert run["ttft_s"]["all"]["p99"] >= run["ttft_s"]["all"]["p50"] > 0, name
         assert run["itl_s"]["p50"] > 0, name
+        split = run["step_seconds"]  # the run's wall time between schedule calls, by kind of step
+        assert split["decode"]["calls"] + split["prompt"]["calls"] == run["engine_steps"], name
+        assert split["prompt"]["calls"] > 0 and split["decode"]["calls"] > 0, name
+        seconds = sum(kind["seconds"] for kind in split.values())
+        assert 0.9 * run["elapsed_s"] <= seconds <= 1.01 * run["elapsed_s"], name
     base, zipf, fair = runs["base"], runs["8-zipf"], runs["fairness"]
     assert base["floor"]["adapter_bytes"] == 0 and base["mean_distinct_adapters"] == 0
     assert base["vs_base_steps"] == 1.0
