@@ -430,6 +430,11 @@ GRID_EXPAND_VARIANTS = (
     ("32-token tiles", ExpandConfig(32, 128, 16, num_warps=4), 65),
     ("two stages", ExpandConfig(16, 128, 16, num_warps=4, num_stages=2, dynamic=True), 1),
     ("512 columns", ExpandConfig(16, 512, 16, num_warps=4, num_stages=1, dynamic=True), 1),
+    ("4x programs", ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=4), 1),
+    ("2x programs, 256 columns",
+     ExpandConfig(16, 256, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=2), 1),
+    ("4x programs, 512 columns",
+     ExpandConfig(16, 512, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=4), 1),
 )
 
 
@@ -495,7 +500,7 @@ def main():
     parser.add_argument("--decode-grid", action="store_true",
                         help="only the decode pair at T = 32/128/256 and 8/64/256 adapters (and what follows)")
     parser.add_argument("--grid-variants", action="store_true",
-                        help="--decode-grid: also other expand shapes (32-token tiles, two stages, 512 columns)")
+                        help="--decode-grid: also other expand shapes (GRID_EXPAND_VARIANTS)")
     parser.add_argument("--prefill", action="store_true", help="the prefill shrink and expand at T = 8192")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")

@@ -3,11 +3,13 @@
 One launch covers every slice of a packed layer (q/k/v, gate/up) and every
 adapter of a step. B's rank rows live in pool pages (lora_meta: each page row
 is one rank row of B^T over the packed output, read contiguously along the
-columns). The grid is static: groups of col_tiles column tiles of the packed
-output times the same token-tile axis as the shrink (token_programs); neither
-the pool's size nor max_loras grows it. While the step's tiles (from its tile
-map and tile count) fit the token programs, program (column group, p) takes
-tile p (tiles p, p + G, ... in turn otherwise). In the decode shapes
+columns). The grid is static and sized by the step's tokens: groups of
+col_tiles column tiles of the packed output times the same token-tile axis as
+the shrink (token_programs), which a config may scale up to one program per
+token tile a step can have (program_scale); the pool's size never grows it.
+While the step's tiles (from its tile map and tile count) fit the token
+programs, program (column group, p) takes tile p (tiles p, p + G, ... in turn
+otherwise). In the decode shapes
 (ExpandConfig.dynamic) a step of more tiles (many adapters of a few tokens
 each) is spread over all programs instead: a work item is a token tile and a
 run of column tiles, longer than col_tiles where that keeps every item a
@@ -52,6 +54,9 @@ class ExpandConfig:
     # spread a step's work over the grid at run time (decode shapes); else the token programs take their tiles
     # in turn (prefill shapes: few, large tiles)
     dynamic: bool = False
+    # token programs x this (up to one per token tile a step can have), so that a step of many adapters gives
+    # each program a shorter run of columns (expand_grid); 1: the shrink's token axis
+    program_scale: int = 1
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of an int, called for every launch
@@ -203,10 +208,13 @@ _expand_launch = CachedLauncher(_expand_kernel)
 
 
 def expand_grid(cfg: ExpandConfig, num_tokens: int, n_out: int, num_loras: int, overwrite: bool) -> tuple[int, int]:
-    """(column-tile groups, token-tile programs): as the shrink's token axis (token_programs), with
-    overwrite one more for the base group's partial tile."""
-    return (cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles),
-            token_programs(num_tokens, cfg.block_m, num_loras) + int(overwrite))
+    """(column-tile groups, token-tile programs): the shrink's token axis (token_programs) times
+    cfg.program_scale, at most one program per tile a step of T tokens over L slots can have (the tile map's
+    length), with overwrite one more for the base group's partial tile."""
+    programs = token_programs(num_tokens, cfg.block_m, num_loras)
+    if cfg.program_scale > 1:
+        programs = min(cfg.program_scale * programs, cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+    return cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles), programs + int(overwrite)
 
 
 def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor,

@@ -166,6 +166,7 @@ WIDE_DECODE_EXPAND = ExpandConfig(16, 128, 16, num_warps=4, col_tiles=4)  # seve
 # the decode shapes spread a step's work at run time (dynamic): small versions of them
 DYNAMIC_SHRINK = ShrinkConfig(16, 16, 32, 3, dynamic=True)
 DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True)
+SCALED_EXPAND = ExpandConfig(16, 32, 16, col_tiles=2, dynamic=True, program_scale=4)  # more token programs
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -188,6 +189,10 @@ CASES = [
     (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, DYNAMIC_EXPAND),
     (200, (120, 40, 40), 24, 100, 100, "distinct", 0.2, None, DYNAMIC_EXPAND),
     (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, DYNAMIC_EXPAND),  # few: the grid's own items
+    # token programs x 4 (up to one per tile a step can have): shorter runs of columns, or one tile each
+    (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, SCALED_EXPAND),
+    (200, (120, 40, 40), 24, 100, 100, "uniform", 0.2, None, SCALED_EXPAND),
+    (72, (40, 16, 16), 16, 3, 20, "skewed", 0.25, None, SCALED_EXPAND),
 ]
 
 
@@ -289,11 +294,12 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
+@pytest.mark.parametrize("config", [None, SCALED_EXPAND])
 @pytest.mark.parametrize("num_tokens,num_loras", [(1, 4), (24, 4), (70, 4), (90, 60)])
-def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras):
+def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras, config):
     """overwrite=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows
     and on rows of a slot whose adapter has rank 0 in this layer (decode and prefill expand shapes, and a
-    step of more adapters' tiles than the grid has programs)."""
+    step of more adapters' tiles than the grid has programs; and with more token programs)."""
     case = make_case(8, 72, (40, 16, 16), 16, num_loras, num_tokens, "uniform", 0.3, max_tokens=100)
     slot_rank = case["slot_rank"].clone()
     off = int(np.max(case["slots"]))
@@ -302,7 +308,8 @@ def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras)
     delta = torch.full((num_tokens, 72), float("nan"), device=DEVICE)
     inter = torch.empty(num_tokens, 3 * 16, device=DEVICE)
     lora_shrink(case["x"], case["a"], slot_rank, case["meta"], 3, inter)
-    lora_expand(inter, case["b"], slot_rank, case["meta"], case["offsets"], delta, overwrite=True, after_shrink=True)
+    lora_expand(inter, case["b"], slot_rank, case["meta"], case["offsets"], delta, config, overwrite=True,
+                after_shrink=True)
     want = torch.zeros(num_tokens, 72, device=DEVICE)
     lora_apply_ref(case["x"], want, *args)
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
