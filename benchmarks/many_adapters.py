@@ -29,7 +29,8 @@ cache holds them). The engine's scheduler is wrapped to
 record each launched step. Per run: output tok/s, engine steps, mean decode
 batch (sequences decoding in the steps that decode) and their ratios to base,
 mean distinct adapters per step, the run's floor and achieved/floor, adapter
-bytes copied host-to-device, pool loads, evictions and use, TTFT p50/p99
+bytes copied host-to-device, adapter reads (their median and total time against
+the readers' time in the run), pool loads, evictions and use, TTFT p50/p99
 overall and per popularity class (zipf: "hot" = the requests of the 10 % most
 popular adapters, "cold" = the rest; fairness: the hot adapter and the cold
 ones), ITL p50/p99, and the wall time split by the kind of step between
@@ -335,6 +336,13 @@ def h2d_bytes(stats) -> int:
     return sum(int(c["gpu_load_bytes"]) for c in stats.lora_adapters.values())
 
 
+def read_seconds(before, after) -> float:
+    """Seconds the adapter reads between two engine.stats() took, summed over the adapters (reads side by side
+    each count)."""
+    old = {name: counts["load_seconds"] for name, counts in before.lora_adapters.items()}
+    return sum(counts["load_seconds"] - old.get(name, 0.0) for name, counts in after.lora_adapters.items())
+
+
 def latency(trace: Trace, times: dict[str, list[float]], classes: list[str]) -> dict:
     """TTFT p50/p99 overall and per popularity class, ITL p50/p99 (seconds), and requests finished."""
     stamps = list(times.values())
@@ -382,6 +390,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         end = time.perf_counter()
     after = engine.stats()
     steps = log.steps
+    manager = engine.lora_manager
     floor = run_floor(engine, steps, sizes, ceilings)
     decode_steps = [s.num_decode for s in steps if s.num_decode]
     out_tokens = sum(len(t) for t in times.values())
@@ -401,11 +410,12 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "gpu_evictions": after.lora_gpu_evictions - before.lora_gpu_evictions,
         "host_loads": after.lora_loads - before.lora_loads,
         "read_seconds_p50": float(np.median(engine.lora_manager.recent_load_seconds)) if scenario else None,
+        "read_seconds_total": read_seconds(before, after), "read_slots": manager.read_slots if manager else 0,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
         "step_seconds": log.seconds_by_kind(end),
         **latency(trace, times, classes)}
-    del engine, steps, log
+    del engine, steps, log, manager
     bc.release_memory()
     if root is not None:
         shutil.rmtree(root)
@@ -460,7 +470,9 @@ def print_results(runs: dict[str, dict], args, device) -> None:
               f"{floor['byte_floor_s']:.3f} s of which adapters {floor['adapter_bytes'] / max(floor['bytes'], 1):.1%}, "
               f"FLOPs {floor['flop_floor_s']:.3f} s), mean batch {r['mean_batch']:.1f}, "
               f"{r['preemptions']} preemptions, {r['host_loads']} host cache loads"
-              + (f" (read p50 {r['read_seconds_p50']:.3f} s)" if r["read_seconds_p50"] is not None else ""))
+              + (f" (read p50 {r['read_seconds_p50']:.3f} s; all reads {r['read_seconds_total']:.1f} s over "
+                 f"{r['read_slots']} readers, {r['read_seconds_total'] / (r['read_slots'] * r['elapsed_s']):.0%} of "
+                 "their time)" if r["read_seconds_p50"] is not None else ""))
         split = r["step_seconds"]
         print(f"    {split['decode']['calls']} decode-only steps {split['decode']['seconds']:.2f} s, "
               f"{split['prompt']['calls']} with prompt tokens {split['prompt']['seconds']:.2f} s, "

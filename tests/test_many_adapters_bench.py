@@ -45,6 +45,8 @@ def test_many_adapters_quick(tmp_path):
     assert zipf["num_adapters"] == 8 and zipf["request_rate"] is None
     assert 1 <= zipf["mean_distinct_adapters"] <= 8
     assert zipf["gpu_loads"] >= 1 and zipf["h2d_adapter_bytes"] > 0 and zipf["floor"]["adapter_bytes"] > 0
+    assert zipf["read_slots"] >= 1 and zipf["read_seconds_total"] >= zipf["read_seconds_p50"] > 0
+    assert base["read_slots"] == 0 and base["read_seconds_total"] == 0
     assert 0 < zipf["pool_bytes_used_peak"] <= zipf["pool_bytes_total"]
     assert {"hot", "cold"} <= set(zipf["ttft_s"])
     assert fair["request_rate"] == runs[base_poisson]["request_rate"] == many_adapters.FAIRNESS_RATE

@@ -508,6 +508,11 @@ class LoRAManager:
         return self._reader
 
     @property
+    def read_slots(self) -> int:
+        """How many adapter reads run side by side at most."""
+        return self._read_slots
+
+    @property
     def resident_on_gpu(self) -> list[str]:
         return list(self._gpu)
 
