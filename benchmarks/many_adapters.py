@@ -409,7 +409,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "gpu_loads": after.lora_gpu_loads - before.lora_gpu_loads,
         "gpu_evictions": after.lora_gpu_evictions - before.lora_gpu_evictions,
         "host_loads": after.lora_loads - before.lora_loads,
-        "read_seconds_p50": float(np.median(engine.lora_manager.recent_load_seconds)) if scenario else None,
+        "read_seconds_p50": float(np.median(manager.recent_load_seconds)) if manager else None,
         "read_seconds_total": read_seconds(before, after), "read_slots": manager.read_slots if manager else 0,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,

@@ -66,10 +66,10 @@ class PageLayout:
                        for _, in_features, out_features, offsets in layers]
         largest = max(self._sizes)
         # (waste, -size): the least memory for an adapter on every layer, then the largest page
-        _, neg_size = min((self._blocks_for(m * largest)[1] * m * largest, -m * largest)
+        _, neg_size = min((len(self._blocks_for(m * largest)) * m * largest, -m * largest)
                           for m in range(1, MAX_PAGE_LAYERS + 1))
         self.page_elems = -neg_size
-        blocks, _ = self._blocks_for(self.page_elems)
+        blocks = self._blocks_for(self.page_elems)
         self.regions: list[LayerRegion | None] = [None] * len(layers)
         self.block_of = [0] * len(layers)
         for b, members in enumerate(blocks):
@@ -83,8 +83,8 @@ class PageLayout:
                 offset = _aligned(self.regions[i].end)
         self.num_blocks = len(blocks)
 
-    def _blocks_for(self, page_elems: int) -> tuple[list[list[int]], int]:
-        """The blocks (layer indices) when pages have page_elems elements, and how many there are."""
+    def _blocks_for(self, page_elems: int) -> list[list[int]]:
+        """The blocks (layer indices) when pages have page_elems elements."""
         blocks = []
         for members in self._by_kind:
             used = page_elems  # start a block at the first layer
@@ -94,7 +94,11 @@ class PageLayout:
                     used = 0
                 blocks[-1].append(i)
                 used += self._sizes[i]
-        return blocks, len(blocks)
+        return blocks
+
+    def pages_for(self, rank: int) -> int:
+        """The pages of an adapter of `rank` on every LoRA layer: cdiv(rank, PAGE_RANK) in each block."""
+        return cdiv(rank, PAGE_RANK) * self.num_blocks
 
     def a_view(self, storage: torch.Tensor, i: int) -> torch.Tensor:
         """Layer i's A rows in every page: [P, S*PAGE_RANK, in] (page stride = page_elems)."""
@@ -255,7 +259,7 @@ class AdapterPool:
     @property
     def max_adapter_pages(self) -> int:
         """The pages of the largest adapter: max_rank on every LoRA layer."""
-        return self.max_pages * self.layout.num_blocks
+        return self.layout.pages_for(self.rank_width)
 
     @property
     def free_pages(self) -> int:
@@ -269,14 +273,16 @@ class AdapterPool:
         """(lora_a [P, S*PAGE_RANK, in], lora_b [P, PAGE_RANK, N], lora_rank [A]) of layer i."""
         return self.layout.a_view(self.storage, i), self.layout.b_view(self.storage, i), self.ranks[i]
 
-    def block_table(self, table: torch.Tensor, block: int) -> torch.Tensor:
-        """Block `block`'s columns of a page table shaped like this pool's: [A, max_pages] (rows contiguous)."""
-        return table[:, block * self.max_pages:(block + 1) * self.max_pages]
+    @property
+    def block_tables(self) -> tuple[torch.Tensor, ...]:
+        """Each page block's columns of the page table: [A, max_pages] views (rows contiguous)."""
+        return tuple(self.page_table[:, b * self.max_pages:(b + 1) * self.max_pages]
+                     for b in range(self.layout.num_blocks))
 
     # -- pages and ids ------------------------------------------------------------------
     def pages_for(self, rank: int) -> int:
         """The pages of an adapter of `rank` on every LoRA layer."""
-        return cdiv(rank, PAGE_RANK) * self.layout.num_blocks
+        return self.layout.pages_for(rank)
 
     def allocate(self, num_pages: int) -> tuple[int, list[int]]:
         """An adapter id and `num_pages` free pages (the caller made room); raises RuntimeError otherwise."""

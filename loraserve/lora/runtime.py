@@ -31,7 +31,6 @@ from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.distributed import NO_PARALLEL, ParallelGroup
-from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.lora.adapter import LoRAAdapter
@@ -153,8 +152,7 @@ class LoRARuntime:
                     self.pool.page_bytes / 2**20, PAGE_RANK, layout.num_blocks,
                     self.pool.capacity_summary(), config.max_loras)
         self.metadata = LoRAMetaBuilder(max_step_tokens, config.max_loras,
-                                        tuple(self.pool.block_table(self.pool.page_table, b)
-                                              for b in range(layout.num_blocks)))
+                                        self.pool.block_tables)
         self.side: LoRASideStream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
@@ -174,7 +172,7 @@ class LoRARuntime:
 
     def _num_pages(self, layout: PageLayout, kv_room: KVRoom | None) -> int:
         page_bytes = layout.page_elems * self.dtype.itemsize
-        max_pages = cdiv(self.config.max_lora_rank, PAGE_RANK) * layout.num_blocks  # one adapter on every layer
+        max_pages = layout.pages_for(self.config.max_lora_rank)  # one adapter on every layer
         step_pages = self.config.max_loras * max_pages  # the most one step can use
         if self.config.lora_gpu_memory is not None:
             size = int(self.config.lora_gpu_memory * 2**30)

@@ -53,7 +53,7 @@ def test_packed_adapters_read_back_from_their_pages():
     for adapter_id, adapter, targets in loaded:
         rank = adapter.max_rank
         for i, (layer_index, layer) in enumerate(runtime.layers):
-            pages = pool.block_table(pool.page_table, layer.page_block)[adapter_id, :-(-rank // PAGE_RANK)]
+            pages = pool.block_tables[layer.page_block][adapter_id, :-(-rank // PAGE_RANK)]
             targeted = any((layer_index, m) in adapter.weights for m in layer.slice_names)
             assert int(layer.lora_rank[adapter_id]) == (rank if targeted else 0)
             if not targeted:

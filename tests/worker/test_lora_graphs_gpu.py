@@ -115,9 +115,7 @@ def test_side_stream_delta_equals_in_place_lora(setup):
     assert runner.lora.side is not None
     dev = torch.device("cuda")
     builder0 = runner.lora.metadata
-    pool = runner.lora.pool
-    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras,
-                                    tuple(pool.block_table(pool.page_table, b) for b in range(pool.layout.num_blocks)))
+    other_builder = LoRAMetaBuilder(builder0.max_tokens, builder0.max_loras, runner.lora.pool.block_tables)
     # 9 and 5 tokens share kernel shapes (the bound side-stream launches), 100 has others; another
     # metadata buffer must not be served by launches bound to the runner's
     for n, builder in ((9, builder0), (5, builder0), (100, builder0), (5, other_builder)):
