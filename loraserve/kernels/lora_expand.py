@@ -23,7 +23,10 @@ without a slot are never touched.
 With overwrite=True the kernel writes y = product instead, without reading y:
 the items then also cover the rows of adapters of rank 0 and of tokens without
 a slot (one more group, slot L, the base tokens at the end of the sorted ids),
-which get zeros. That fills a LoRA delta with no memset before it.
+which get zeros. That fills a LoRA delta with no memset before it. When the
+step's metadata gives a layer no adapters' tiles (no adapter of the step has
+weights in its page block, lora_meta), every program writes zeros over its own
+rows and columns instead, with no per-tile lookups.
 
 The product is rounded to y's dtype before the add: y = round(y + round(product)), what
 PEFT's separately computed LoRA output gives, and what adding a rounded delta later gives.
@@ -154,6 +157,20 @@ def _expand_item(code, first_col_tile, num_col_tiles,
                              SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE, PDL)
 
 
+@triton.jit
+def _zero_rows(y_ptr, num_tokens, n_out, stride_yt, stride_yn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_TILES: tl.constexpr):
+    """y = 0 over program (column group c, token program p)'s part of y: rows p * BLOCK_M .., column tiles
+    c * COL_TILES ..; the grid covers every row and column (expand_grid)."""
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows: [BLOCK_M]
+    row_ok = rows < num_tokens
+    y_rows = y_ptr + rows.to(tl.int64)[:, None] * stride_yt
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+    for j in range(COL_TILES):
+        cols = (tl.program_id(0) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+        tl.store(y_rows + cols[None, :] * stride_yn, zeros, mask=row_ok[:, None] & (cols < n_out)[None, :])
+
+
 @triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
 def _expand_kernel(
     inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, tiles_ptr, page_ptr, y_ptr,
@@ -169,12 +186,17 @@ def _expand_kernel(
     # adapter's tokens of rank > 0), so whenever the shrink does anything the expand's completion
     # implies the shrink's (what the next shrink, reusing the tile counters, needs).
     # the tiles to cover: the adapters' (the map's first entries), and with overwrite the base tokens' too
+    lora_tiles = tl.load(tiles_ptr)
     if OVERWRITE:
         tiles = tl.minimum(tl.load(tiles_ptr + 1), num_tiles)
     else:
-        tiles = tl.minimum(tl.load(tiles_ptr), num_tiles)
+        tiles = tl.minimum(lora_tiles, num_tiles)
     code = tl.load(map_ptr + tl.program_id(1))  # the first tile of this token program (loaded beside the count)
-    if DYNAMIC and (tiles > tl.num_programs(1)):
+    if OVERWRITE and (lora_tiles == 0):
+        # no adapter of the step has weights in this layer's page block: zeros, by rows, with no lookups (the
+        # shrink, which sees the same count, did nothing: nothing to wait for)
+        _zero_rows(y_ptr, num_tokens, n_out, stride_yt, stride_yn, BLOCK_M, BLOCK_N, COL_TILES)
+    elif DYNAMIC and (tiles > tl.num_programs(1)):
         # more tiles than token programs: an item is a token tile and a run of column tiles, longer than
         # COL_TILES where that keeps every item a program of its own; items u = pid, pid + programs, ...
         n_col_tiles = tl.cdiv(n_out, BLOCK_N)

@@ -16,7 +16,9 @@ slot_start[l] + slot_count[l]]; slot L groups the tokens without an adapter (ada
 A kernel's program finds its tile of BLOCK_M tokens in the tile map of that BLOCK_M (one per TILE_BLOCKS
 entry): entry i = (slot << 16) | tile within the slot for the i-th non-empty tile, slots in order, -1 past
 the last, so a program costs one load to find its work, or to learn it has none; tile_counts holds, per
-map, how many of its tiles belong to adapters (they come first) and how many it has in all. The kernels'
+map, how many of its tiles belong to adapters (they come first) and how many it has in all; each page block's
+meta has its own counts, and where no adapter of the step has weights in the block its adapters' count is 0,
+so that the kernels skip the LoRA work of its layers (an overwriting expand then writes zeros). The kernels'
 grids are sized by the step's tokens and L, never by the pool. The metadata is built on the host
 (loraserve.lora.metadata.LoRAMetaBuilder). The split-K shrink also needs tile counters: a static int32
 buffer, zero between launches, with which the programs of one output tile elect the last of them to add
@@ -44,7 +46,8 @@ class LoRAMeta:
     slot_count:       [L+1] int32, how many tokens use slot l
     slot_adapter:     [L+1] int32, the adapter id in slot l (-1: unused, and slot L)
     tile_maps:        per TILE_BLOCKS entry, [cdiv(Tmax, BLOCK_M) + min(L, Tmax) + 1] int32: the tile map
-    tile_counts:      [len(TILE_BLOCKS), 2] int32, per tile map: (tiles of adapters' tokens, all tiles)
+    tile_counts:      [len(TILE_BLOCKS), 2] int32, per tile map: (tiles of adapters' tokens, all tiles); the
+                      first is 0 when no adapter of the step has weights in this meta's page block
     page_table:       [A, max_pages] int32, the pool page of each adapter id's rank rows (PAGE_RANK per page)
     tile_counters:    [token tiles, COUNTER_ROW_TILES] int32, zero between shrink launches; a
                       split-K shrink counts its finished programs per (token tile, row tile) here

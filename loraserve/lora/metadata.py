@@ -19,8 +19,11 @@ class LoRAMetaBuilder:
     """Owns the static metadata buffers and refills them each step.
 
     `page_table` ([A, max_pages] int32 on the device, the pool's), or one such table per page block (the pool's
-    columns of each block: `metas` holds one LoRAMeta per table, every other field shared; `meta` is the
-    first): adapter ids are its rows. `max_loras`: the
+    columns of each block: `metas` holds one LoRAMeta per table and its own tile counts, every other field
+    shared; `meta` is the first): adapter ids are its rows. `block_targets` ([A, tables] bool on the host, the
+    pool's, read at each build): whether an adapter id has weights in each table's block; a meta whose block no
+    adapter of the step has weights in gets no adapters' tiles, so the kernels skip its layers' LoRA work (None:
+    every adapter counts as having weights everywhere). `max_loras`: the
     most distinct adapters one step holds (the slots). The device buffer is one int32 vector whose views are
     the LoRAMeta fields, so a step costs one host->device copy. Two pinned staging buffers are used in turn;
     before one is overwritten, the event recorded after its previous copy is awaited, so a copy still in
@@ -28,23 +31,29 @@ class LoRAMetaBuilder:
     metadata. The tile counters are zeroed once here and never copied over.
     """
 
-    def __init__(self, max_tokens: int, max_loras: int, page_table: torch.Tensor | tuple[torch.Tensor, ...]):
+    def __init__(self, max_tokens: int, max_loras: int, page_table: torch.Tensor | tuple[torch.Tensor, ...],
+                 block_targets: np.ndarray | None = None):
         if max_tokens < 1 or max_loras < 1:
             raise ValueError(
                 f"max_tokens and max_loras must be >= 1, got {max_tokens}, {max_loras}")
         if max_tokens >= MAX_TILE_INDEX * min(TILE_BLOCKS):
             raise ValueError(f"max_tokens must be below {MAX_TILE_INDEX * min(TILE_BLOCKS)}, got {max_tokens}")
         tables = page_table if isinstance(page_table, tuple) else (page_table,)
+        if block_targets is not None and block_targets.shape != (tables[0].shape[0], len(tables)):
+            raise ValueError(f"block_targets must be [{tables[0].shape[0]}, {len(tables)}] (ids, page blocks), "
+                             f"got {list(block_targets.shape)}")
+        self.block_targets = block_targets
+        self.num_tables = len(tables)
         self.max_tokens = max_tokens
         self.max_loras = max_loras
         self.num_ids = tables[0].shape[0]
         self.device = tables[0].device
         # the tile maps' lengths: at most this many non-empty tiles (the slots' and the base group's)
         self._map_sizes = [-(-max_tokens // bm) + min(max_loras, max_tokens) + 1 for bm in TILE_BLOCKS]
-        size = 2 * max_tokens + 3 * (max_loras + 1) + 2 * len(TILE_BLOCKS) + sum(self._map_sizes)
+        size = 2 * max_tokens + 3 * (max_loras + 1) + 2 * len(TILE_BLOCKS) * self.num_tables + sum(self._map_sizes)
         is_cuda = self.device.type == "cuda"
         # buf: [size] int32 = token_slots | sorted_token_ids | slot_start | slot_count | slot_adapter | tile counts
-        # | tile maps
+        # (per table) | tile maps
         self._device_buf = torch.full((size,), -1, dtype=torch.int32, device=self.device)
         self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=is_cuda)
                          for _ in range(2 if is_cuda else 1)]
@@ -54,18 +63,19 @@ class LoRAMetaBuilder:
         tiles = -(-max_tokens // COUNTER_BLOCK_M) + min(max_loras, max_tokens)
         counters = torch.zeros(tiles, COUNTER_ROW_TILES, dtype=torch.int32, device=self.device)
         *fields, maps, counts = self._split(self._device_buf)
-        self.metas = tuple(LoRAMeta(*fields, maps, counts, table, counters) for table in tables)
+        self.metas = tuple(LoRAMeta(*fields, maps, counts[b], table, counters) for b, table in enumerate(tables))
         self.meta = self.metas[0]
 
     def _split(self, buf):
         """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps),
-        tile counts [len(TILE_BLOCKS), 2]."""
+        tile counts [tables, len(TILE_BLOCKS), 2]."""
         t, n = self.max_tokens, self.max_loras + 1
         views = [buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n], buf[2 * t + n:2 * t + 2 * n],
                  buf[2 * t + 2 * n:2 * t + 3 * n]]
         offset = 2 * t + 3 * n
-        counts = buf[offset:offset + 2 * len(TILE_BLOCKS)].view(len(TILE_BLOCKS), 2)
-        offset, maps = offset + 2 * len(TILE_BLOCKS), []
+        size = 2 * len(TILE_BLOCKS) * self.num_tables
+        counts = buf[offset:offset + size].view(self.num_tables, len(TILE_BLOCKS), 2)
+        offset, maps = offset + size, []
         for size in self._map_sizes:
             maps.append(buf[offset:offset + size])
             offset += size
@@ -119,7 +129,9 @@ class LoRAMetaBuilder:
             codes = tile_map.numpy()
             codes[:total] = (slot_of << 16) | (np.arange(total) - np.repeat(first, tiles))
             codes[total:] = -1
-            tile_counts[i] = (total - tiles[-1], total)  # the adapters' tiles come before the base group's
+            tile_counts[:, i] = (total - tiles[-1], total)  # the adapters' tiles come before the base group's
+        if self.block_targets is not None:  # blocks no adapter of the step has weights in: no adapters' tiles
+            tile_counts[~self.block_targets[adapters].any(axis=0), :, 0] = 0
 
         self._device_buf.copy_(staging, non_blocking=True)
         if self._copy_done[index] is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraserve.kernels.launch import cdiv
@@ -243,6 +244,8 @@ class AdapterPool:
         # each id's page-table row staged in pinned memory, so that its copy overlaps the steps too
         self._table_rows = torch.zeros(num_pages, columns, dtype=torch.int32,
                                        pin_memory=self.device.type == "cuda")  # [A, blocks * pages]
+        # which page blocks each id's adapter has weights in (host; the step metadata reads it: lora/metadata.py)
+        self.block_targets = np.zeros((num_pages, layout.num_blocks), dtype=bool)  # [A, blocks]
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._free_ids = list(range(num_pages - 1, -1, -1))
         self._pages_of: dict[int, list[int]] = {}  # adapter id -> its pages
@@ -311,11 +314,14 @@ class AdapterPool:
             table_row[block * self.max_pages + j] = page
         self.page_table[adapter_id].copy_(table_row, non_blocking=True)
         self.ranks[:, adapter_id].copy_(packed.ranks, non_blocking=True)
+        self.block_targets[adapter_id] = False
+        self.block_targets[adapter_id, list(packed.row_blocks)] = True
 
     def release(self, adapter_id: int) -> None:
         """Return an adapter's pages and id to the free lists (bookkeeping only: no step refers to a released
         id, and the next adapter given it overwrites its whole column of ranks)."""
         pages = self._pages_of.pop(adapter_id)
+        self.block_targets[adapter_id] = False
         self._free_pages.extend(reversed(pages))
         self._free_ids.append(adapter_id)
 

@@ -152,7 +152,7 @@ class LoRARuntime:
                     self.pool.page_bytes / 2**20, PAGE_RANK, layout.num_blocks,
                     self.pool.capacity_summary(), config.max_loras)
         self.metadata = LoRAMetaBuilder(max_step_tokens, config.max_loras,
-                                        self.pool.block_tables)
+                                        self.pool.block_tables, self.pool.block_targets)
         self.side: LoRASideStream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":

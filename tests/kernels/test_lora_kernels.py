@@ -318,6 +318,39 @@ def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras,
     assert torch.equal(delta[zero_rows], torch.zeros_like(delta[zero_rows]))
 
 
+@pytest.mark.parametrize("num_tokens,config", [(24, None), (90, None), (280, None), (24, NARROW_EXPAND),
+                                               (90, DYNAMIC_EXPAND)])
+def test_a_page_block_no_adapter_of_the_step_targets_is_skipped(num_tokens, config):
+    """A meta whose page block no adapter of the step has weights in (block_targets) gets no adapters' tiles: the
+    shrink and an in-place expand leave their outputs as they were, an overwriting expand writes zeros on every
+    row of a NaN-poisoned delta (the fast path: it must skip even adapters the layer gives ranks); the other
+    block's meta, on the same step, still gives the reference (decode, dynamic and prefill expand shapes)."""
+    case = make_case(9, 72, (40, 16, 16), 16, 5, num_tokens, "uniform", 0.3, max_tokens=300)
+    pool = case["pool"]
+    targets = np.zeros((len(pool["rank"]), 2), dtype=bool)
+    targets[:, 0] = True  # every adapter has weights in block 0, none in block 1
+    builder = LoRAMetaBuilder(300, 5, (pool["table"], pool["table"]), targets)
+    on, off = (meta_of(pool, case["slots"], builder), builder.metas[1])
+    assert on is builder.metas[0] and int(off.tile_count(16)[0]) == 0 < int(on.tile_count(16)[0])
+    assert torch.equal(off.tile_count(16)[1], on.tile_count(16)[1])  # the same tiles in all
+    poison = torch.full((num_tokens, 3 * 16), float("nan"), device=DEVICE)
+    inter = poison.clone()
+    lora_shrink(case["x"], case["a"], case["slot_rank"], off, 3, inter)
+    assert torch.equal(inter.isnan(), poison.isnan())  # nothing written
+    delta = torch.full((num_tokens, 72), float("nan"), device=DEVICE)
+    lora_expand(inter, case["b"], case["slot_rank"], off, case["offsets"], delta, config, overwrite=True)
+    assert torch.equal(delta, torch.zeros_like(delta))
+    y = torch.randn(num_tokens, 72, generator=case["gen"]).to(DEVICE)
+    y_before = y.clone()
+    lora_expand(inter, case["b"], case["slot_rank"], off, case["offsets"], y, config)
+    assert torch.equal(y, y_before)
+    lora_shrink(case["x"], case["a"], case["slot_rank"], on, 3, inter)
+    lora_expand(inter, case["b"], case["slot_rank"], on, case["offsets"], delta, config, overwrite=True)
+    want = torch.zeros(num_tokens, 72, device=DEVICE)
+    lora_apply_ref(case["x"], want, case["a"], case["b"], case["slot_rank"], on, case["offsets"])
+    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
+
+
 def defined_mask(case, rank_max):
     """[T, S*R] bool: the shrink outputs lora_expand reads (a slot's token, r < rank)."""
     t, s = len(case["slots"]), case["num_slices"]
@@ -485,6 +518,37 @@ def test_meta_builder_groups_tokens_by_adapter():
             want = [(slot << 16) | i for slot in range(7) for i in range(-(-counts[slot] // bm))]
             codes = meta.tile_map(bm).tolist()
             assert codes[:len(want)] == want and set(codes[len(want):]) <= {-1}
+
+
+def test_meta_builder_counts_adapters_tiles_per_page_block():
+    """With block_targets each page block's meta has its own tile counts: the adapters' tiles where an adapter of
+    the step has weights in the block, else 0; read at every build (loads change it); a wrong shape is refused."""
+    targets = np.zeros((40, 3), dtype=bool)
+    targets[:10, 0] = True  # ids 0..9: block 0 only; ids 10..19: blocks 0 and 1; 20..39: none
+    targets[10:20, :2] = True
+    tables = tuple(torch.zeros(40, 2, dtype=torch.int32) for _ in range(3))
+    builder = LoRAMetaBuilder(max_tokens=50, max_loras=6, page_table=tables, block_targets=targets)
+    plain = LoRAMetaBuilder(max_tokens=50, max_loras=6, page_table=tables)
+
+    def adapters_tiles(ids):
+        builder.build(np.asarray(ids))
+        want = plain.build(np.asarray(ids))
+        for meta in builder.metas:
+            assert torch.equal(meta.tile_counts[:, 1], want.tile_counts[:, 1])  # every tile, whatever the block
+        return [[int(meta.tile_count(bm)[0]) for bm in TILE_BLOCKS] for meta in builder.metas], \
+            [int(want.tile_count(bm)[0]) for bm in TILE_BLOCKS]
+
+    got, full = adapters_tiles([3] * 20 + [-1] * 5 + [4] * 17)
+    assert got == [full, [0] * 3, [0] * 3] and full == [4, 2, 2]
+    got, full = adapters_tiles([3, 12, -1, 12])
+    assert got == [full, full, [0] * 3] and full == [2, 2, 2]
+    got, _ = adapters_tiles([25, 25, -1])  # an adapter with weights nowhere
+    assert got == [[0] * 3] * 3
+    targets[25, 2] = True  # loaded again, now with weights in block 2
+    got, full = adapters_tiles([25, 25, -1])
+    assert got == [[0] * 3, [0] * 3, full] and full == [1, 1, 1]
+    with pytest.raises(ValueError, match="block_targets"):
+        LoRAMetaBuilder(50, 6, tables, targets[:, :2])
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -164,6 +164,33 @@ def test_kernels_read_each_layers_page_block():
         assert want[0].abs().max() > 0  # every layer has a product to check
 
 
+def test_page_blocks_no_adapter_of_the_step_targets_get_no_adapters_tiles():
+    """The pool records which page blocks each id's adapter has weights in, and the step metadata reads it: in a
+    step of a q/k/v/o adapter the MLP layers' metas get no adapters' tiles (their LoRA kernels then do nothing);
+    with an adapter on every layer in the step every block gets its tiles; a released id targets nothing, and
+    an adapter loaded under it again counts with its own blocks."""
+    runtime = tiny_runtime(max_rank=16, pages=4)
+    qkvo_id = runtime.load(runtime.pack(random_adapter(runtime.spec, "qkvo", 8, QKVO, seed=1)))[0]
+    attention = {layer.page_block for _, layer in runtime.layers if layer.slice_names[0] in QKVO}
+    assert 0 < len(attention) < runtime.pool.layout.num_blocks
+    assert set(np.flatnonzero(runtime.pool.block_targets[qkvo_id])) == attention
+
+    def blocks_with_adapters_tiles(ids):
+        metas = runtime.write_metadata(np.array(ids))
+        return {b for b, meta in enumerate(metas) if int(meta.tile_count(16)[0]) > 0}
+
+    assert blocks_with_adapters_tiles([qkvo_id, -1, qkvo_id]) == attention
+    every_id = runtime.load(runtime.pack(random_adapter(runtime.spec, "every", 8, seed=2)))[0]
+    everything = set(range(runtime.pool.layout.num_blocks))
+    assert blocks_with_adapters_tiles([qkvo_id, every_id]) == everything
+    assert blocks_with_adapters_tiles([-1, -1]) == set()
+    runtime.release(qkvo_id)
+    assert not runtime.pool.block_targets[qkvo_id].any()
+    again = runtime.load(runtime.pack(random_adapter(runtime.spec, "every2", 8, seed=3)))[0]
+    assert again == qkvo_id  # the released id, given again
+    assert blocks_with_adapters_tiles([again]) == everything
+
+
 def test_a_pool_smaller_than_one_max_rank_adapter_is_refused():
     with pytest.raises(ValueError, match="max_lora_rank"):
         tiny_runtime(max_rank=64, pages=7)
