@@ -162,6 +162,7 @@ class StepRecord(NamedTuple):
     pool_bytes_used: int  # the adapter pool's use when the step was scheduled (0: no LoRA)
 
 
+SMALL_PROMPT_STEP = 1024  # prompt tokens: steps with fewer are counted apart in the printed notes
 STEP_KINDS = ("decode", "prompt", "idle")  # decode rows only; with prompt tokens; nothing to run (schedule empty)
 
 
@@ -180,6 +181,14 @@ class StepLog:
             out[kind]["calls"] += 1
             out[kind]["seconds"] += later - t
         return out
+
+    def trace(self, end: float) -> list[list]:
+        """Per recorded step, in order: [seconds to the next schedule call, prompt tokens, decode rows, distinct
+        adapters] (the JSON's step_trace: where a run's time goes, step by step)."""
+        times = [t for t, _ in self.marks] + [end]
+        busy = [later - t for (t, kind), later in zip(self.marks, times[1:]) if kind != "idle"]
+        return [[round(seconds, 6), s.prefill_tokens, s.num_decode, len(s.adapters)]
+                for seconds, s in zip(busy, self.steps)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -413,7 +422,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "read_seconds_total": read_seconds(before, after), "read_slots": manager.read_slots if manager else 0,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
-        "step_seconds": log.seconds_by_kind(end),
+        "step_seconds": log.seconds_by_kind(end), "step_trace": log.trace(end),
         **latency(trace, times, classes)}
     del engine, steps, log, manager
     bc.release_memory()
@@ -477,6 +486,14 @@ def print_results(runs: dict[str, dict], args, device) -> None:
         print(f"    {split['decode']['calls']} decode-only steps {split['decode']['seconds']:.2f} s, "
               f"{split['prompt']['calls']} with prompt tokens {split['prompt']['seconds']:.2f} s, "
               f"{split['idle']['calls']} schedules with nothing to run {split['idle']['seconds']:.2f} s")
+        prompt_steps = [step for step in r["step_trace"] if step[1]]
+        if prompt_steps:
+            tokens = sum(step[1] for step in prompt_steps)
+            small = [step for step in prompt_steps if step[1] < SMALL_PROMPT_STEP]
+            print(f"    steps with prompt tokens: {tokens / len(prompt_steps):.0f} prompt tokens and "
+                  f"{np.mean([step[2] for step in prompt_steps]):.0f} decode rows each on average, "
+                  f"{1e3 * split['prompt']['seconds'] / tokens:.3f} ms per prompt token; {len(small)} of them under "
+                  f"{SMALL_PROMPT_STEP} prompt tokens ({sum(step[0] for step in small):.2f} s)")
     bc.print_engines({name: r["engine"] for name, r in runs.items()}, with_kv_blocks=True)
 
 

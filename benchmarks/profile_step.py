@@ -1,8 +1,8 @@
 """Where a prefill step's and a mixed step's time goes, on the base engine and on a LoRA engine.
 
 Builds the base engine, then a LoRA engine with --adapters random adapters of rank --lora-rank on all
-7 projections (ranks cycle through --lora-rank when it lists several), and times two kinds of step on
-each, with the same token counts:
+7 projections or on --targets (ranks cycle through --lora-rank when it lists several), and times two kinds
+of step on each, with the same token counts:
 
 - prefill: fresh prompts of --prompt-len tokens filling the step's token budget (each asks for one
   output token), spread over the adapters;
@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     bc.add_common_args(p, "synthetic:llama-3-8b")
     p.add_argument("--adapters", type=int, default=8, help="distinct adapters in each step")
     p.add_argument("--lora-rank", type=bc.int_list, default=[16], help="rank, or ranks cycled over the adapters")
+    p.add_argument("--targets", type=bc.str_list, default=None,
+                   help="comma-separated PEFT module names of the adapters (default: all seven projections)")
     p.add_argument("--prompt-len", type=int, default=1024, help="tokens of each prefill prompt")
     p.add_argument("--decode-rows", type=int, default=64, help="decoding sequences in the mixed step")
     p.add_argument("--context", type=int, default=512, help="context of the decoding sequences")
@@ -159,7 +161,8 @@ def run_engine(args, lora: bool, device) -> dict:
         adapters = []
         for i in range(args.adapters):
             rank = args.lora_rank[i % len(args.lora_rank)]
-            engine.lora_manager.register_adapter(f"a{i}", random_adapter(spec, f"a{i}", rank, seed=i))
+            engine.lora_manager.register_adapter(f"a{i}", random_adapter(spec, f"a{i}", rank,
+                                                 tuple(args.targets) if args.targets else None, seed=i))
             adapters.append(f"a{i}")
         engine.lora_manager.prepare(set(adapters), set())  # resident before timing: no load inside a step
     bc.fill_kv_random(engine)

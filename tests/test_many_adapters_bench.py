@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import many_adapters  # noqa: E402 (the benchmark under test)
@@ -39,6 +41,12 @@ def test_many_adapters_quick(tmp_path):
         assert split["prompt"]["calls"] > 0 and split["decode"]["calls"] > 0, name
         seconds = sum(kind["seconds"] for kind in split.values())
         assert 0.9 * run["elapsed_s"] <= seconds <= 1.01 * run["elapsed_s"], name
+        trace = run["step_trace"]  # per step: seconds, prompt tokens, decode rows, distinct adapters
+        assert len(trace) == run["engine_steps"], name
+        assert sum(step[0] for step in trace) == pytest.approx(seconds - split["idle"]["seconds"], rel=1e-3), name
+        assert sum(1 for step in trace if step[1]) == split["prompt"]["calls"], name
+        assert sum(step[1] for step in trace) >= 16 * run["requests"], name  # --quick prompts: 16-64 tokens
+        assert all(step[2] <= 32 and step[3] <= 8 for step in trace), name
     base, zipf, fair = runs["base"], runs["8-zipf"], runs["fairness"]
     assert base["floor"]["adapter_bytes"] == 0 and base["mean_distinct_adapters"] == 0
     assert base["vs_base_steps"] == 1.0
