@@ -203,7 +203,8 @@ def _shrink_walk(
         code = next_code
 
 
-@triton.jit(do_not_specialize=["num_tokens"])  # one compiled kernel serves every batch size
+# one compiled kernel serves every batch size: the token count and the partial sums' split stride (T x S*R)
+@triton.jit(do_not_specialize=["num_tokens", "stride_ps"])
 def _shrink_kernel(
     x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, tiles_ptr, page_ptr, part_ptr,
     out_ptr, counter_ptr, num_tokens, hidden, num_slices, rank_max, num_tiles,

@@ -95,8 +95,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> LinearOutput:
         # x: [T, in] -> y: [T, N] and, beside the GEMM, its LoRA delta [T, N]
         lora = ctx.lora if ctx is not None else None
-        if lora is None:
-            return self.base(x)
+        if lora is None or (lora.active is not None and not lora.active[self.page_block]):
+            return self.base(x)  # no LoRA, or no adapter of the step has weights in this layer's page block
         side, meta = lora.side, lora.metas[self.page_block]
         if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
             y = self.base(x).y

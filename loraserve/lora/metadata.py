@@ -22,7 +22,8 @@ class LoRAMetaBuilder:
     columns of each block: `metas` holds one LoRAMeta per table and its own tile counts, every other field
     shared; `meta` is the first): adapter ids are its rows. `block_targets` ([A, tables] bool on the host, the
     pool's, read at each build): whether an adapter id has weights in each table's block; a meta whose block no
-    adapter of the step has weights in gets no adapters' tiles, so the kernels skip its layers' LoRA work (None:
+    adapter of the step has weights in gets no adapters' tiles, so the kernels skip its layers' LoRA work, and
+    `active` tells the host which blocks have work, so that an eager pass launches nothing for the others (None:
     every adapter counts as having weights everywhere). `max_loras`: the
     most distinct adapters one step holds (the slots). The device buffer is one int32 vector whose views are
     the LoRAMeta fields, so a step costs one host->device copy. Two pinned staging buffers are used in turn;
@@ -65,6 +66,7 @@ class LoRAMetaBuilder:
         *fields, maps, counts = self._split(self._device_buf)
         self.metas = tuple(LoRAMeta(*fields, maps, counts[b], table, counters) for b, table in enumerate(tables))
         self.meta = self.metas[0]
+        self.active: tuple[bool, ...] = (False,) * self.num_tables  # per block: an adapter of the last build in it
 
     def _split(self, buf):
         """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps),
@@ -130,8 +132,10 @@ class LoRAMetaBuilder:
             codes[:total] = (slot_of << 16) | (np.arange(total) - np.repeat(first, tiles))
             codes[total:] = -1
             tile_counts[:, i] = (total - tiles[-1], total)  # the adapters' tiles come before the base group's
-        if self.block_targets is not None:  # blocks no adapter of the step has weights in: no adapters' tiles
-            tile_counts[~self.block_targets[adapters].any(axis=0), :, 0] = 0
+        active = self.block_targets[adapters].any(axis=0) if self.block_targets is not None \
+            else np.full(self.num_tables, adapters.size > 0)
+        tile_counts[~active, :, 0] = 0  # blocks no adapter of the step has weights in: no adapters' tiles
+        self.active = tuple(bool(a) for a in active)
 
         self._device_buf.copy_(staging, non_blocking=True)
         if self._copy_done[index] is not None:

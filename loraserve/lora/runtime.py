@@ -9,7 +9,9 @@ every rank's part (`pack`) and keeps the loads the other ranks repeat
 
 The model runner speaks to it through three calls: `for_step(token_adapters)`
 before an eager forward pass (writes the step's token -> adapter metadata and
-returns the pass's LoRA state, the ForwardContext's `lora`), `for_capture()`
+returns the pass's LoRA state, the ForwardContext's `lora`, which also tells
+the layers of page blocks no adapter of the step has weights in to launch no
+LoRA kernels), `for_capture()`
 when a CUDA graph is captured (the same static buffers), and
 `write_metadata(token_adapters)` before a graph replay (which reads the buffers
 as it left them). Adapters enter the pool with `pack` (host side, any thread)
@@ -66,6 +68,9 @@ class LoRABatch:
 
     metas: tuple[LoRAMeta, ...]  # the step's token -> adapter metadata (static device buffers), per page block
     side: LoRASideStream | None  # decode-sized products beside the base GEMMs (CUDA); None: in place, in order
+    # per page block: whether an adapter of the step has weights in it (its layers run no LoRA kernels when not);
+    # None: every block runs them (a pass captured into a graph, which later steps replay with other adapters)
+    active: tuple[bool, ...] | None = None
 
 
 @dataclass
@@ -203,9 +208,12 @@ class LoRARuntime:
         self.metadata.build(token_adapters)
         return self.metadata.metas
 
-    def for_step(self, token_adapters: np.ndarray) -> LoRABatch:
-        """write_metadata, and the LoRA state of an eager pass over these tokens."""
-        return LoRABatch(self.write_metadata(token_adapters), self._side_for_this_pass())
+    def for_step(self, token_adapters: np.ndarray, every_block: bool = False) -> LoRABatch:
+        """write_metadata, and the LoRA state of an eager pass over these tokens: the layers of page blocks that
+        no adapter of the step has weights in run without LoRA kernels, unless `every_block` (the start-up
+        warm-up, which compiles them)."""
+        metas = self.write_metadata(token_adapters)
+        return LoRABatch(metas, self._side_for_this_pass(), None if every_block else self.metadata.active)
 
     def for_capture(self) -> LoRABatch:
         """The LoRA state of a pass captured into a CUDA graph: the static metadata buffers, not rewritten."""

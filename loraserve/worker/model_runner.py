@@ -62,6 +62,17 @@ def kv_cache_need(model, config: EngineConfig) -> tuple[int, int]:
     return kv_room_bytes(model, config), useful_kv_blocks(config) * block
 
 
+def warm_up_sizes(budget: int) -> list[int]:
+    """The token counts of the start-up warm-up passes: each power of two p from 32 up to the step budget, p + 1
+    and p + 2, and the budget. The kernels' shapes change only past powers of two (the LoRA kernels' tiles and
+    K splits; the side stream's 512-token scratch, past which the LoRA eager path starts), so p + 1 and p + 2
+    start each range of one shape, odd and even: Triton specializes an integer argument on whether 16 divides
+    it, and some arguments are token counts times a width (a rank-8 shrink's partial sums, T x 8 or T x 24),
+    which odd and even counts specialize differently."""
+    powers = [1 << k for k in range(5, budget.bit_length())]
+    return sorted({n for p in powers for n in (p, p + 1, p + 2) if n <= budget} | {budget})
+
+
 class StepFollowers:
     """Where rank 0's runner sends each step for the other ranks of a tensor-parallel group (the engine's
     worker processes, loraserve.worker.processes)."""
@@ -160,17 +171,15 @@ class ModelRunner:
     # -- start-up ---------------------------------------------------------------
     @torch.inference_mode()
     def warm_up_eager(self) -> None:
-        """One eager pass at each power of two from 32 tokens up to the step budget (and at the budget): the
-        kernel shapes of the eager path change only at such sizes, so Triton compiles every shape a step can
+        """One eager pass at each size of `warm_up_sizes`, so that Triton compiles every kernel shape a step can
         take here, at start-up, not while requests wait. With LoRA the tokens name adapter id 0 (no adapter
         is loaded yet: rank 0 in every layer, so the kernels run and add nothing)."""
-        budget = self.config.scheduler.max_num_batched_tokens
-        sizes = sorted({min(1 << k, budget) for k in range(5, budget.bit_length() + 1)} | {budget})
+        sizes = warm_up_sizes(self.config.scheduler.max_num_batched_tokens)
         start = time.perf_counter()
         for num_tokens in sizes:
             inputs = StepInputs.dummy_prefill(num_tokens, self.config.model.max_model_len, self.dummy_block,
                                               self.block_size, -1 if self.lora is None else 0)
-            self.model.compute_logits(self.forward_eager(inputs))
+            self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("eager warm-up at %d step sizes (%d..%d tokens): %.1f s", len(sizes), sizes[0], sizes[-1],
@@ -182,16 +191,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None,
-                      rows: np.ndarray | None = None) -> torch.Tensor:
+                      rows: np.ndarray | None = None, every_lora_layer: bool = False) -> torch.Tensor:
         """The model on this step's tokens; returns the hidden states of `rows` [R, D] (default: the sampled
-        rows)."""
+        rows). LoRA layers that no adapter of the step has weights in run without LoRA kernels, unless
+        `every_lora_layer` (the warm-up)."""
         attn = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
             max_query_len=inputs.max_query_len, is_decode=inputs.is_decode, num_decode_rows=inputs.num_decode_rows)
         lora = None
         if self.lora is not None and (inputs.token_adapters >= 0).any():
-            lora = self.lora.for_step(inputs.token_adapters)
+            lora = self.lora.for_step(inputs.token_adapters, every_lora_layer)
         share = self.tp.is_parallel and inputs.has_pending_tokens  # (asked before the fill: on the CPU the
         input_ids = self._to_device(inputs.input_ids)                # device ids are the host array itself)
         if fill is not None:

@@ -131,7 +131,7 @@ def test_eager_warm_up_touches_no_sequence(tiny_model_factory):
     runner = llm.engine.runner
     for layer in runner.attn_layers:
         layer.k_cache.fill_(7.0)
-    runner.warm_up_eager()  # 32, 64, 128, 256 and 300 tokens, in sequences of at most 64
+    runner.warm_up_eager()  # 32-34, 64-66, 128-130, 256-258 and 300 tokens, in sequences of at most 64
     for layer in runner.attn_layers:
         real = layer.k_cache[:runner.dummy_block]
         assert torch.equal(real, torch.full_like(real, 7.0)), "the warm-up wrote into a real KV block"

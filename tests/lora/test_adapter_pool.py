@@ -9,6 +9,7 @@ import torch
 
 from loraserve.config import LoRAConfig
 from loraserve.errors import InvalidRequestError
+from loraserve.forward_context import ForwardContext
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import gather_a, gather_b
@@ -180,6 +181,8 @@ def test_page_blocks_no_adapter_of_the_step_targets_get_no_adapters_tiles():
         return {b for b, meta in enumerate(metas) if int(meta.tile_count(16)[0]) > 0}
 
     assert blocks_with_adapters_tiles([qkvo_id, -1, qkvo_id]) == attention
+    assert {b for b, on in enumerate(runtime.for_step(np.array([qkvo_id, -1])).active) if on} == attention
+    assert runtime.for_step(np.array([qkvo_id]), every_block=True).active is None  # the warm-up runs every block
     every_id = runtime.load(runtime.pack(random_adapter(runtime.spec, "every", 8, seed=2)))[0]
     everything = set(range(runtime.pool.layout.num_blocks))
     assert blocks_with_adapters_tiles([qkvo_id, every_id]) == everything
@@ -189,6 +192,37 @@ def test_page_blocks_no_adapter_of_the_step_targets_get_no_adapters_tiles():
     again = runtime.load(runtime.pack(random_adapter(runtime.spec, "every2", 8, seed=3)))[0]
     assert again == qkvo_id  # the released id, given again
     assert blocks_with_adapters_tiles([again]) == everything
+
+
+def test_layers_no_adapter_of_the_step_has_weights_in_run_no_lora_kernels(monkeypatch):
+    """In an eager pass the layers of page blocks that no adapter of the step targets return the base output and
+    launch no LoRA product; the others add theirs (equal to the reference); with every_block (the warm-up)
+    every layer runs the LoRA product."""
+    runtime = tiny_runtime(max_rank=16, pages=4)
+    qkvo_id = runtime.load(runtime.pack(random_adapter(runtime.spec, "qkvo", 8, QKVO, seed=1)))[0]
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        lora_apply_ref(*args, **kwargs)
+
+    monkeypatch.setattr("loraserve.lora.layers.lora_apply_ref", counted)
+    ids = np.array([qkvo_id, -1, qkvo_id])
+    gen = torch.Generator().manual_seed(0)
+    for every_block in (False, True):
+        batch = runtime.for_step(ids, every_block)
+        for _, layer in runtime.layers:
+            x = torch.randn(len(ids), layer.in_features, generator=gen)
+            calls.clear()
+            out = layer(x, ForwardContext(None, batch))
+            base = layer.base(x).y
+            targeted = layer.slice_names[0] in QKVO
+            assert len(calls) == (1 if targeted or every_block else 0), (layer.slice_names, every_block)
+            if targeted:
+                assert not torch.allclose(out.y[0], base[0])  # the adapter's product is added
+                assert torch.equal(out.y[1], base[1])  # the base token's row is the base output
+            else:
+                assert torch.equal(out.y, base)
 
 
 def test_a_pool_smaller_than_one_max_rank_adapter_is_refused():
