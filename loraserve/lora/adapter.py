@@ -11,6 +11,7 @@ of the LoRA layer (`LoRAModelSpec.split`): the same A, each its rows of B.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import pickle
 import re
@@ -177,8 +178,9 @@ def _check_tensor(name: str, module: str, which: str, t: torch.Tensor) -> torch.
         raise LoRAAdapterError(name, f"{which} has dtype {t.dtype}, not a floating-point type", module)
     if t.dim() != 2:
         raise LoRAAdapterError(name, f"{which} has shape {tuple(t.shape)}, expected a matrix", module)
-    # NaN and +-Inf reach the extremes: one pass over the weights, several times faster than isfinite(t).all()
-    if t.numel() and not torch.isfinite(torch.stack(torch.aminmax(t))).all():
+    # NaN and +-Inf reach the extremes: one pass over the weights, several times faster than isfinite(t).all(),
+    # and the two extremes checked as Python floats (an adapter has hundreds of small tensors: each op counts)
+    if t.numel() and not all(map(math.isfinite, torch.stack(torch.aminmax(t)).tolist())):
         kind = "NaN" if torch.isnan(t).any() else "Inf"
         raise LoRAAdapterError(name, f"{which} contains {kind} values", module)
     return t
