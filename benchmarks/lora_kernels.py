@@ -435,6 +435,9 @@ GRID_EXPAND_VARIANTS = (
      ExpandConfig(16, 256, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=2), 1),
     ("4x programs, 512 columns",
      ExpandConfig(16, 512, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=4), 1),
+    ("hoisted pages", ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True, hoist_pages=True), 1),
+    ("hoisted pages, 4x programs",
+     ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=4, hoist_pages=True), 1),
 )
 
 

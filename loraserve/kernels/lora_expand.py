@@ -15,7 +15,9 @@ each) is spread over all programs instead: a work item is a token tile and a
 run of column tiles, longer than col_tiles where that keeps every item a
 program of its own, so that each program finds its tokens once. The K loop runs
 over the adapter's own rank only (in steps of BLOCK_R), so a rank-8 adapter
-reads and computes rank 8 whatever max_lora_rank is. A column tile that
+reads and computes rank 8 whatever max_lora_rank is (a config may load the
+pages of an item's first BLOCK_R ranks once for all its column tiles:
+hoist_pages). A column tile that
 straddles a slice boundary handles each slice under a mask. The sum is added
 into y in place (y may be a column range of a larger tensor); rows of tokens
 without a slot are never touched.
@@ -60,6 +62,9 @@ class ExpandConfig:
     # token programs x this (up to one per token tile a step can have), so that a step of many adapters gives
     # each program a shorter run of columns (expand_grid); 1: the shrink's token axis
     program_scale: int = 1
+    # load the pages of a work item's first BLOCK_R ranks once for all its column tiles, not once per column
+    # tile (each such load is a dependent global load before the tile's B load)
+    hoist_pages: bool = False
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of an int, called for every launch
@@ -85,36 +90,52 @@ def expand_config(num_tokens: int) -> ExpandConfig:
 
 
 @triton.jit
-def _add_slice_products(acc, inter_rows, b_ptr, page_row, tok_ok, cols, col0, rank, rank_max,
+def _rank_step(acc, page, offs_r, r_ok, inter_rows, b_ptr, tok_ok, cols, col_ok, s, rank_max,
+               stride_ir, stride_bp, stride_br, stride_bn, PRECISION: tl.constexpr, PAGE: tl.constexpr):
+    """acc + inter[:, s * rank_max + offs_r] . B^T[offs_r, cols] for one slice s and BLOCK_R ranks, B's rank row r
+    being row r % PAGE of page `page` (page: [BLOCK_R], for each of offs_r)."""
+    b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+    b = tl.load(b_rows + cols[None, :] * stride_bn,
+                mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+    a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
+                mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+    return acc + tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
+
+
+@triton.jit
+def _add_slice_products(acc, inter_rows, b_ptr, page_row, first_pages, tok_ok, cols, col0, rank, rank_max,
                         stride_ir, stride_bp, stride_br, stride_bn, SLICE_OFFSETS: tl.constexpr,
                         NUM_SLICES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                        PRECISION: tl.constexpr, PAGE: tl.constexpr):
+                        PRECISION: tl.constexpr, PAGE: tl.constexpr, HOIST_PAGES: tl.constexpr):
     """acc: [BLOCK_M, BLOCK_N] += inter . B^T over the first `rank` ranks, slice by slice; B's rank row r
-    is row r % PAGE of page page_row[r // PAGE]."""
+    is row r % PAGE of page page_row[r // PAGE]. With HOIST_PAGES the pages of the first BLOCK_R ranks are
+    first_pages (loaded once per work item), not loaded again for each column tile."""
     for s in tl.static_range(NUM_SLICES):
         lo = SLICE_OFFSETS[s]
         hi = SLICE_OFFSETS[s + 1]
         if (col0 < hi) & (col0 + BLOCK_N > lo):
             col_ok = (cols >= lo) & (cols < hi)
-            for r0 in range(0, rank, BLOCK_R):
+            first_r = 0
+            if HOIST_PAGES:
+                offs_r = tl.arange(0, BLOCK_R)
+                acc = _rank_step(acc, first_pages, offs_r, offs_r < rank, inter_rows, b_ptr, tok_ok, cols, col_ok,
+                                 s, rank_max, stride_ir, stride_bp, stride_br, stride_bn, PRECISION, PAGE)
+                first_r = BLOCK_R
+            for r0 in range(first_r, rank, BLOCK_R):
                 offs_r = r0 + tl.arange(0, BLOCK_R)
                 r_ok = offs_r < rank
                 page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
-                b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
-                b = tl.load(b_rows + cols[None, :] * stride_bn,
-                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                a = tl.load(inter_rows + (s * rank_max + offs_r)[None, :] * stride_ir,
-                            mask=tok_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-                acc += tl.dot(a, b.to(tl.float32), input_precision=PRECISION)
+                acc = _rank_step(acc, page, offs_r, r_ok, inter_rows, b_ptr, tok_ok, cols, col_ok, s, rank_max,
+                                 stride_ir, stride_bp, stride_br, stride_bn, PRECISION, PAGE)
     return acc
 
 
 @triton.jit
-def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, rank, rank_max, n_out,
+def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, first_pages, rank, rank_max, n_out,
                      stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
                      SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                     OVERWRITE: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+                     OVERWRITE: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr):
     """The columns col0 .. col0 + BLOCK_N of one token tile."""
     cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
     # y is read before the products so that its load overlaps theirs
@@ -126,9 +147,9 @@ def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, rank, ra
     if PDL:  # launched early beside the shrink: wait for its intermediate (y was ready before it)
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _add_slice_products(acc, inter_rows, b_ptr, page_row, tok_ok, cols, col0, rank, rank_max,
+    acc = _add_slice_products(acc, inter_rows, b_ptr, page_row, first_pages, tok_ok, cols, col0, rank, rank_max,
                               stride_ir, stride_bp, stride_br, stride_bn, SLICE_OFFSETS, NUM_SLICES,
-                              BLOCK_N, BLOCK_R, PRECISION, PAGE)
+                              BLOCK_N, BLOCK_R, PRECISION, PAGE, HOIST_PAGES)
     product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
     tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
 
@@ -140,7 +161,7 @@ def _expand_item(code, first_col_tile, num_col_tiles,
                  stride_yt, stride_yn,
                  SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
-                 PAGE: tl.constexpr, PDL: tl.constexpr):
+                 PAGE: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr):
     """One work item: num_col_tiles column tiles from first_col_tile of the token tile of map entry `code`."""
     slot, m_tile = code >> 16, code & 0xFFFF
     rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
@@ -151,10 +172,16 @@ def _expand_item(code, first_col_tile, num_col_tiles,
         inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
         y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
         page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
+        if HOIST_PAGES:  # the pages of the first BLOCK_R ranks, once for all the item's column tiles
+            first_pages = tl.load(page_row + tl.arange(0, BLOCK_R) // PAGE, mask=tl.arange(0, BLOCK_R) < rank,
+                                  other=0)  # [BLOCK_R]
+        else:
+            first_pages = tl.zeros((BLOCK_R,), dtype=tl.int32)
         for j in range(num_col_tiles):
             _expand_col_tile((first_col_tile + j) * BLOCK_N, inter_rows, y_rows, tok_ok, b_ptr, page_row,
-                             rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
-                             SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE, PDL)
+                             first_pages, rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
+                             SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE, PDL,
+                             HOIST_PAGES)
 
 
 @triton.jit
@@ -179,7 +206,7 @@ def _expand_kernel(
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PAGE: tl.constexpr,
-    DYNAMIC: tl.constexpr, PDL: tl.constexpr,
+    DYNAMIC: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr,
 ):
     # With PDL, programs without work end before gdc_wait. That is safe: a program with work waits for
     # the whole shrink grid, and the expand has work on every tile where the shrink has some (an
@@ -210,7 +237,7 @@ def _expand_kernel(
                          inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                          num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
                          stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION, OVERWRITE, PAGE, PDL)
+                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES)
             u += programs
     else:
         # the grid's own items: program (column group, p) takes token tiles p, p + G, ... (G token programs)
@@ -221,7 +248,7 @@ def _expand_kernel(
                          inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                          num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
                          stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION, OVERWRITE, PAGE, PDL)
+                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES)
             tile += tl.num_programs(1)
             code = next_code
 
@@ -300,6 +327,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic,
+        HOIST_PAGES=cfg.hoist_pages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
 

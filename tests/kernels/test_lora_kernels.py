@@ -167,6 +167,9 @@ WIDE_DECODE_EXPAND = ExpandConfig(16, 128, 16, num_warps=4, col_tiles=4)  # seve
 DYNAMIC_SHRINK = ShrinkConfig(16, 16, 32, 3, dynamic=True)
 DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True)
 SCALED_EXPAND = ExpandConfig(16, 32, 16, col_tiles=2, dynamic=True, program_scale=4)  # more token programs
+# the pages of an item's first BLOCK_R ranks loaded once for its column tiles
+HOISTED_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True, hoist_pages=True)
+HOISTED_PREFILL_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, hoist_pages=True)
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -193,6 +196,11 @@ CASES = [
     (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, SCALED_EXPAND),
     (200, (120, 40, 40), 24, 100, 100, "uniform", 0.2, None, SCALED_EXPAND),
     (72, (40, 16, 16), 16, 3, 20, "skewed", 0.25, None, SCALED_EXPAND),
+    # hoisted pages: ranks within BLOCK_R, past it (40: 3 rank steps, the first from the hoisted pages) and
+    # mixed (skewed popularity over ranks drawn up to R)
+    (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, HOISTED_EXPAND),
+    (300, (48, 24, 24), 40, 3, 12, "uniform", 0.1, None, HOISTED_PREFILL_EXPAND),
+    (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, HOISTED_EXPAND),
 ]
 
 
@@ -294,7 +302,7 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
-@pytest.mark.parametrize("config", [None, SCALED_EXPAND])
+@pytest.mark.parametrize("config", [None, SCALED_EXPAND, HOISTED_EXPAND])
 @pytest.mark.parametrize("num_tokens,num_loras", [(1, 4), (24, 4), (70, 4), (90, 60)])
 def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras, config):
     """overwrite=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows
