@@ -312,7 +312,7 @@ def resident_adapters(engine, count: int, ranks: list[int]) -> list[str]:
     """The adapters of register_adapters to load to the GPU before timing: every one when the pool holds them
     all (a trace over resident adapters), else none (their loads belong to the trace)."""
     pool = engine.lora_manager.runtime.pool
-    if sum(pool.pages_for(adapter_rank(ranks, i)) for i in range(count)) <= pool.num_pages:
+    if sum(pool.layout.pages_for(adapter_rank(ranks, i)) for i in range(count)) <= pool.num_pages:
         return [f"lora-{i}" for i in range(count)]
     return []
 

@@ -173,20 +173,24 @@ class StepLog:
     steps: list[StepRecord]
     marks: list[tuple[float, str]]  # (perf_counter at the call, kind)
 
+    def _periods(self, end: float) -> list[tuple[str, float]]:
+        """Per schedule call: its kind and the seconds to the next call (the last one's to `end`): the engine's
+        period for that kind of step (with async scheduling a step's time ends at the next schedule)."""
+        calls = [t for t, _ in self.marks] + [end]
+        return [(kind, later - t) for (t, kind), later in zip(self.marks, calls[1:])]
+
     def seconds_by_kind(self, end: float) -> dict[str, dict]:
-        """Per kind: schedule calls, and the seconds from each call to the next (the last one's to `end`): the
-        engine's period for that kind of step (with async scheduling a step's time ends at the next schedule)."""
+        """Per kind: schedule calls and their periods' seconds."""
         out = {kind: {"calls": 0, "seconds": 0.0} for kind in STEP_KINDS}
-        for (t, kind), later in zip(self.marks, [t for t, _ in self.marks[1:]] + [end]):
+        for kind, seconds in self._periods(end):
             out[kind]["calls"] += 1
-            out[kind]["seconds"] += later - t
+            out[kind]["seconds"] += seconds
         return out
 
     def trace(self, end: float) -> list[list]:
-        """Per recorded step, in order: [seconds to the next schedule call, prompt tokens, decode rows, distinct
-        adapters] (the JSON's step_trace: where a run's time goes, step by step)."""
-        times = [t for t, _ in self.marks] + [end]
-        busy = [later - t for (t, kind), later in zip(self.marks, times[1:]) if kind != "idle"]
+        """Per recorded step, in order: [its period's seconds, prompt tokens, decode rows, distinct adapters] (the
+        JSON's step_trace: where a run's time goes, step by step)."""
+        busy = [seconds for kind, seconds in self._periods(end) if kind != "idle"]
         return [[round(seconds, 6), s.prefill_tokens, s.num_decode, len(s.adapters)]
                 for seconds, s in zip(busy, self.steps)]
 

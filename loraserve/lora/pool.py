@@ -283,10 +283,6 @@ class AdapterPool:
                      for b in range(self.layout.num_blocks))
 
     # -- pages and ids ------------------------------------------------------------------
-    def pages_for(self, rank: int) -> int:
-        """The pages of an adapter of `rank` on every LoRA layer."""
-        return self.layout.pages_for(rank)
-
     def allocate(self, num_pages: int) -> tuple[int, list[int]]:
         """An adapter id and `num_pages` free pages (the caller made room); raises RuntimeError otherwise."""
         if num_pages > len(self._free_pages) or not self._free_ids:
@@ -327,5 +323,5 @@ class AdapterPool:
 
     def capacity_summary(self) -> str:
         """How many adapters on every LoRA layer of common ranks fit, e.g. '1024 of rank 8, 512 of rank 16, ...'."""
-        return ", ".join(f"{self.num_pages // self.pages_for(r)} of rank {r}"
+        return ", ".join(f"{self.num_pages // self.layout.pages_for(r)} of rank {r}"
                          for r in (8, 16, 32, 64, 128) if r <= self.rank_width)

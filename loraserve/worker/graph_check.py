@@ -36,7 +36,7 @@ def _load_probes(lora, seed: int) -> list[int]:
     max_rank = lora.config.max_lora_rank
     pages = 0
     for i, rank in enumerate([max_rank, max(1, max_rank // 2), 1][:lora.config.max_loras]):
-        pages += lora.pool.pages_for(rank)
+        pages += lora.pool.layout.pages_for(rank)
         if pages > lora.pool.num_pages:
             break
         adapter = random_adapter(lora.spec, f"probe-{i}", rank, seed=seed + i, std=PROBE_ADAPTER_STD)

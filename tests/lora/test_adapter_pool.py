@@ -306,7 +306,7 @@ def test_reads_ahead_stop_at_the_host_caches_room_and_push_out_nothing_awaited()
     needs); every adapter read is then in the pool or the host cache, never read twice. Once the pool's two
     are evicted for others, the reads go on."""
     probe = LoRAManager(tiny_runtime(max_loras=4, max_rank=16))  # for an adapter's host bytes
-    one = probe._read_bytes(probe.pool.pages_for(16))
+    one = probe._read_bytes(probe.pool.layout.pages_for(16))
     probe.close()
     pages = 2 * 16 // PAGE_RANK  # of every page block: two adapters of rank 16 on every layer
     runtime = tiny_runtime(max_loras=4, max_rank=16, pages=pages, max_cpu_lora_memory=3.5 * one / 2**30)

@@ -220,7 +220,7 @@ def test_pinning_never_evicts_an_adapter_in_use_and_leaves_room(lora_setup):
         probe.add_lora(LoRARequest(name, adapters[name]))
     pm = probe.engine.lora_manager
     room = pm.pages_of("r4") + pm.pages_of("r8_rslora")
-    largest = pm.pool.pages_for(8)
+    largest = pm.pool.layout.pages_for(8)
     assert pm.pages_of("pattern") + largest <= room  # pinning "pattern" leaves room for a max-rank adapter
     assert pm.pages_of("pattern") + pm.pages_of("r4") + largest > room  # and pinning r4 beside it would not
     llm = LLM(folder, device="cpu", max_model_len=64, enable_lora=True, max_loras=2, max_lora_rank=8,

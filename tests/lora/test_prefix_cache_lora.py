@@ -93,7 +93,7 @@ def test_adapter_files_changed_on_disk_while_out_of_the_caches_serve_the_new_wei
     llm = LLM(folder, device="cpu", max_model_len=256, block_size=BS, enable_lora=True, max_loras=1,
               max_lora_rank=8, max_cpu_loras=1)
     manager = llm.engine.lora_manager
-    assert manager.pool.num_pages == manager.pool.pages_for(8)  # room for one adapter of rank 8
+    assert manager.pool.num_pages == manager.pool.layout.pages_for(8)  # room for one adapter of rank 8
     llm.add_lora(LoRARequest("x", str(live)))
     llm.add_lora(LoRARequest("b", adapters["b"]))
     prompt = _prompt(2, 40)
