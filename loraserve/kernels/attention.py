@@ -192,10 +192,10 @@ def _decode_reduce_kernel(
 _decode_reduce_launch = CachedLauncher(_decode_reduce_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])  # one kernel whatever the number of decode rows before the chunks
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
-    scale_log2,
+    scale_log2, first_seq,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_btb, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -203,11 +203,11 @@ def _prefill_kernel(
     window, softcap_scale,
     BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, LIBDEVICE: tl.constexpr,
 ):
-    """Program (h, tile, s): BLOCK_M queries of sequence s, head h, against their causal context (inside the
-    window)."""
+    """Program (h, tile, i): BLOCK_M queries of sequence s = first_seq + i, head h, against their causal context
+    (inside the window)."""
     h = tl.program_id(0)
     tile = tl.num_programs(1) - 1 - tl.program_id(1)  # longest (latest) query tiles start first
-    s = tl.program_id(2)
+    s = first_seq + tl.program_id(2)
     q_start = tl.load(qsl_ptr + s)
     q_len = tl.load(qsl_ptr + s + 1) - q_start
     if tile * BLOCK_M >= q_len:
@@ -383,22 +383,28 @@ def paged_prefill_attention(
     config: PrefillConfig | None = None,  # None: default_configs(D)
     window: int | None = None,  # sliding window (None: full attention)
     softcap: float | None = None,  # score soft-capping (None: none)
+    first_seq: int = 0,  # the sequences from this one on (those before: decode rows, attended elsewhere)
 ) -> None:
-    """Causal varlen attention of each sequence's last q_len positions over its paged context."""
+    """Causal varlen attention of each sequence's last q_len positions over its paged context, for sequences
+    first_seq.. of the arrays. The arrays are passed whole with that offset rather than as views from it: Triton
+    specializes a pointer on its 16-byte alignment, which a view's would change with the rows before it, so
+    each count of decode rows in a mixed step would compile the kernel again while requests wait."""
     _check_inputs(q, k_cache, v_cache, block_tables, seq_lens, out)
     if query_start_loc.dtype != torch.int32:
         raise ValueError("query_start_loc must be int32")
+    if not 0 <= first_seq <= seq_lens.shape[0]:
+        raise ValueError(f"first_seq must lie in [0, {seq_lens.shape[0]}], got {first_seq}")
     config = config or default_configs(q.shape[2])[1]
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
+    num_seqs = seq_lens.shape[0] - first_seq
     scores = _score_args(q, scale, window, softcap)
     if num_seqs == 0 or max_query_len == 0:
         return
     grid = (num_heads, math.ceil(max_query_len / config.block_m), num_seqs)
     _prefill_launch(grid,
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scores.pop("scale_log2"),
+        scores.pop("scale_log2"), first_seq,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -432,6 +438,6 @@ def paged_step_attention(
     if d:
         paged_decode_attention(q[:d], k_cache, v_cache, block_tables[:d], seq_lens[:d], scale, out[:d],
                                decode_config, window, softcap)
-    if d < seq_lens.shape[0]:  # query_start_loc[d:] still points at the chunks' rows of q
-        paged_prefill_attention(q, k_cache, v_cache, block_tables[d:], seq_lens[d:], query_start_loc[d:],
-                                max_query_len, scale, out, prefill_config, window, softcap)
+    if d < seq_lens.shape[0]:  # query_start_loc from d on points at the chunks' rows of q
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, max_query_len, scale,
+                                out, prefill_config, window, softcap, first_seq=d)

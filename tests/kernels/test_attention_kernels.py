@@ -12,6 +12,7 @@ from loraserve.kernels.attention import (
     PrefillConfig,
     paged_decode_attention,
     paged_prefill_attention,
+    paged_step_attention,
 )
 from loraserve.kernels.attention_reference import paged_attention_ref, write_kv_cache
 
@@ -137,6 +138,48 @@ def test_prefill_kernel_matches_naive(config):
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
                             qsl_of(q_lens), max(q_lens), 0.25, out, config)
+    want = naive_attention(q, dense_k, dense_v, seq_lens, q_lens, 0.25)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("first_seq", [1, 3, 5])
+def test_prefill_kernel_from_a_first_sequence(first_seq):
+    """first_seq: only the sequences from it on are attended (their rows equal the naive loop's), the rows of
+    those before are not written; the arrays are the whole ones, not views from first_seq."""
+    gen = torch.Generator().manual_seed(4)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    seq_lens, q_lens = [9, 17, 5, 40, 12], [1, 1, 5, 7, 3]
+    dense_k, dense_v, k_cache, v_cache, tables = make_paged(seq_lens, num_kv_heads, head_dim,
+                                                            block_size, torch.float32, gen)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                            qsl_of(q_lens), max(q_lens), 0.25, out, PrefillConfig(block_m=16, block_n=16),
+                            first_seq=first_seq)
+    first_row = sum(q_lens[:first_seq])
+    want = naive_attention(q, dense_k, dense_v, seq_lens, q_lens, 0.25)
+    torch.testing.assert_close(out[first_row:].double(), want[first_row:], atol=1e-5, rtol=1e-5)
+    assert out[:first_row].isnan().all()
+    with pytest.raises(ValueError, match="first_seq"):
+        paged_prefill_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                qsl_of(q_lens), max(q_lens), 0.25, out, first_seq=len(seq_lens) + 1)
+
+
+@pytest.mark.parametrize("num_decode_rows", [0, 1, 3, 5])
+def test_step_attention_of_decode_rows_and_chunks(num_decode_rows):
+    """A step of decode rows (one query each, first) and prompt chunks: the decode kernel takes the rows, the
+    prefill kernel the chunks; every row equals the naive loop's."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_dim, block_size = 4, 2, 16, 4
+    seq_lens = [9, 17, 33, 16, 21, 40, 12]
+    q_lens = [1] * num_decode_rows + [5, 7, 3, 12, 2, 9, 4][num_decode_rows:]
+    dense_k, dense_v, k_cache, v_cache, tables = make_paged(seq_lens, num_kv_heads, head_dim,
+                                                            block_size, torch.float32, gen)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen)
+    out = torch.full_like(q, float("nan"))
+    paged_step_attention(q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl_of(q_lens),
+                         max(q_lens), num_decode_rows, 0.25, out,
+                         (DecodeConfig(), PrefillConfig(block_m=16, block_n=16)))
     want = naive_attention(q, dense_k, dense_v, seq_lens, q_lens, 0.25)
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
 
