@@ -106,7 +106,10 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+# Integers whose value changes between eager steps are not specialized on (Triton would compile again for a
+# value of 1 or a multiple of 16 while requests wait): the table's row stride (its width, the step's longest
+# context in blocks), the first prompt sequence after the decode rows, and the split count.
+@triton.jit(do_not_specialize=["stride_btb"])
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
     scale_log2,
@@ -167,7 +170,7 @@ def _decode_kernel(
 _decode_launch = CachedLauncher(_decode_kernel)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -192,7 +195,7 @@ def _decode_reduce_kernel(
 _decode_reduce_launch = CachedLauncher(_decode_reduce_kernel)
 
 
-@triton.jit(do_not_specialize=["first_seq"])  # one kernel whatever the number of decode rows before the chunks
+@triton.jit(do_not_specialize=["first_seq", "stride_btb"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr,
     scale_log2, first_seq,

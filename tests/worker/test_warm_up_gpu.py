@@ -44,7 +44,7 @@ def test_no_kernel_compiles_while_requests_run(monkeypatch):
 
     def hook(*args, **kwargs):
         fn = kwargs.get("fn")
-        compiled.append(getattr(fn, "name", None) or repr(args)[:200])
+        compiled.append(f"{getattr(fn, 'name', None)}: {str(kwargs.get('repr'))[:300]}")
 
     monkeypatch.setattr(knobs, "jit_post_compile_hook", hook)
     rng = np.random.default_rng(0)
