@@ -26,6 +26,7 @@ Both use only the kernels' public launch functions, so the same script measures 
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -40,7 +41,7 @@ import triton.language as tl
 from loraserve.kernels.lora_expand import ExpandConfig, lora_expand
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
-from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink
+from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
 from loraserve.lora.metadata import LoRAMetaBuilder
 
 LAYERS = {  # name: (in features, packed slice sizes)
@@ -388,7 +389,7 @@ class PoolLayer:
         return sum(e * self.ranks[i] * (self.num_slices * self.hidden + self.n_out) for i in ids)
 
 
-def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS, expand_cfg=None):
+def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS, expand_cfg=None, shrink_cfg=None):
     """Median us of the shrink, the expand and the pair in a CUDA graph over `ops` launches, each with its own
     step metadata naming other adapters (so that the adapters' bytes come from memory, not L2); and the bytes
     one launch must move."""
@@ -407,7 +408,7 @@ def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS, e
                      + e * num_tokens * layer.n_out * (1 if overwrite else 2))
 
     def shrink(i):
-        return lambda: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i])
+        return lambda: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i], shrink_cfg)
 
     def expand(i):
         return lambda: lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], expand_cfg,
@@ -415,7 +416,7 @@ def time_pair(layer, num_tokens, distinct, rng, reps, overwrite, ops=GRID_OPS, e
 
     def pair(i):
         def run():
-            lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i])
+            lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i], shrink_cfg)
             lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], expand_cfg,
                         overwrite=overwrite, after_shrink=True)
         return run
@@ -441,9 +442,17 @@ GRID_EXPAND_VARIANTS = (
 )
 
 
+# --grid-variants: decode shrink shapes timed beside the default one, (name, changes to the default config)
+GRID_SHRINK_VARIANTS = (
+    ("4 stages", dict(num_stages=4)),
+    ("2 warps, 4 stages, 64-wide K steps", dict(num_warps=2, num_stages=4, block_k=64)),
+)
+
+
 def decode_grid(bw, reps, variants=False):
     """The decode pair (shrink, expand into a delta) per layer, T and distinct adapters, against its byte floor;
-    with `variants`, the expand also in each GRID_EXPAND_VARIANTS shape."""
+    with `variants`, the expand also in each GRID_EXPAND_VARIANTS shape and the shrink in each
+    GRID_SHRINK_VARIANTS one."""
     rows = []
     gen, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     print(f"\ndecode pair (shrink + expand into a delta), rank {GRID_RANK}, us (x byte floor)")
@@ -462,6 +471,13 @@ def decode_grid(bw, reps, variants=False):
                         row[f"expand_us ({label})"] = other["expand_us"]
                         print(f"  {name} T={t} n={n}: expand {row['expand_us']:.2f} us, with {label} "
                               f"{other['expand_us']:.2f} us (pair {row['us']:.2f} / {other['us']:.2f})")
+                for label, change in GRID_SHRINK_VARIANTS if variants else ():
+                    cfg = dataclasses.replace(shrink_config(t, layer.hidden, layer.num_slices * layer.rank_max),
+                                              **change)
+                    other = time_pair(layer, t, min(n, t), rng, reps, overwrite=True, shrink_cfg=cfg)
+                    row[f"shrink_us ({label})"] = other["shrink_us"]
+                    print(f"  {name} T={t} n={n}: shrink {row['shrink_us']:.2f} us, with {label} "
+                          f"{other['shrink_us']:.2f} us (pair {row['us']:.2f} / {other['us']:.2f})")
                 rows.append(row)
                 cells.append(f"{row['us']:8.2f} ({row['us'] / row['floor_us']:4.2f}x)")
         print(f"{name:8s} " + " ".join(f"{c:>22s}" for c in cells))
@@ -503,7 +519,8 @@ def main():
     parser.add_argument("--decode-grid", action="store_true",
                         help="only the decode pair at T = 32/128/256 and 8/64/256 adapters (and what follows)")
     parser.add_argument("--grid-variants", action="store_true",
-                        help="--decode-grid: also other expand shapes (GRID_EXPAND_VARIANTS)")
+                        help="--decode-grid: also other expand and shrink shapes (GRID_EXPAND_VARIANTS, "
+                             "GRID_SHRINK_VARIANTS)")
     parser.add_argument("--prefill", action="store_true", help="the prefill shrink and expand at T = 8192")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")
