@@ -349,6 +349,21 @@ def h2d_bytes(stats) -> int:
     return sum(int(c["gpu_load_bytes"]) for c in stats.lora_adapters.values())
 
 
+def read_phases_p50(manager) -> dict | None:
+    """Medians of where the reads' time went (ReadPhases: the files, waiting for a host range, packing)."""
+    phases = list(manager.recent_read_phases) if manager else []
+    if not phases:
+        return None
+    return {field: float(np.median([getattr(p, field) for p in phases])) for field in ("files", "range_wait", "pack")}
+
+
+def phases_text(phases: dict | None) -> str:
+    if phases is None:
+        return ""
+    return (f": files {phases['files']:.3f}, waiting for a host range {phases['range_wait']:.3f}, "
+            f"packing {phases['pack']:.3f}")
+
+
 def read_seconds(before, after) -> float:
     """Seconds the adapter reads between two engine.stats() took, summed over the adapters (reads side by side
     each count)."""
@@ -423,6 +438,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "gpu_evictions": after.lora_gpu_evictions - before.lora_gpu_evictions,
         "host_loads": after.lora_loads - before.lora_loads,
         "read_seconds_p50": float(np.median(manager.recent_load_seconds)) if manager else None,
+        "read_phases_p50": read_phases_p50(manager),
         "read_seconds_total": read_seconds(before, after), "read_slots": manager.read_slots if manager else 0,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
@@ -483,7 +499,8 @@ def print_results(runs: dict[str, dict], args, device) -> None:
               f"{floor['byte_floor_s']:.3f} s of which adapters {floor['adapter_bytes'] / max(floor['bytes'], 1):.1%}, "
               f"FLOPs {floor['flop_floor_s']:.3f} s), mean batch {r['mean_batch']:.1f}, "
               f"{r['preemptions']} preemptions, {r['host_loads']} host cache loads"
-              + (f" (read p50 {r['read_seconds_p50']:.3f} s; all reads {r['read_seconds_total']:.1f} s over "
+              + (f" (read p50 {r['read_seconds_p50']:.3f} s{phases_text(r['read_phases_p50'])}; all reads "
+                 f"{r['read_seconds_total']:.1f} s over "
                  f"{r['read_slots']} readers, {r['read_seconds_total'] / (r['read_slots'] * r['elapsed_s']):.0%} of "
                  "their time)" if r["read_seconds_p50"] is not None else ""))
         split = r["step_seconds"]

@@ -46,7 +46,7 @@ from loraserve.config import LoRAConfig
 from loraserve.errors import InvalidRequestError, LoRAConflictError, UnknownLoRAError
 from loraserve.lora.adapter import LoRAAdapter, LoRAAdapterError
 from loraserve.lora.pool import PackedAdapter
-from loraserve.lora.reader import LoadedAdapter, ProcessReader, ReaderSetup, make_reader
+from loraserve.lora.reader import LoadedAdapter, ProcessReader, ReaderSetup, ReadPhases, make_reader
 from loraserve.lora.runtime import LoRARuntime
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class LoRAManager:
         self.num_gpu_loads = 0
         self.num_gpu_evictions = 0
         self.recent_load_seconds: deque[float] = deque(maxlen=LOAD_HISTORY)  # the last loads' times, oldest first
+        self.recent_read_phases: deque[ReadPhases] = deque(maxlen=LOAD_HISTORY)  # the last reads' from disk, split
         self._generations = itertools.count(1)
 
     # -- what the scheduler asks ------------------------------------------------
@@ -411,6 +412,8 @@ class LoRAManager:
             entry.rank, entry.pages = loaded.rank, loaded.packed.num_pages
         self.num_loads += 1
         self.recent_load_seconds.append(loaded.seconds)
+        if loaded.phases is not None:
+            self.recent_read_phases.append(loaded.phases)
         entry.counters.disk_loads += 1
         entry.counters.load_seconds += loaded.seconds
 

@@ -66,6 +66,15 @@ _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@dataclass(frozen=True)
+class ReadPhases:
+    """Where a read's seconds went."""
+
+    files: float  # reading and checking the adapter's files
+    range_wait: float  # the reader process waiting for a range of the host arena (0 for the thread reader)
+    pack: float  # packing in page layout (zeroing an arena range first; the thread reader: placing it in the arena)
+
+
 @dataclass
 class LoadedAdapter:
     """An adapter read, validated and packed on the host."""
@@ -74,6 +83,7 @@ class LoadedAdapter:
     rank: int
     seconds: float  # reading, checking and packing it
     version: tuple | None = None  # what was read: the files' version (LoRAManager.load), None when unknown
+    phases: ReadPhases | None = None  # None: packed from an adapter in memory (nothing read)
 
 
 @dataclass(frozen=True)
@@ -99,10 +109,12 @@ class ThreadReader:
     def read(self, name: str, path: str) -> LoadedAdapter:
         start = time.perf_counter()
         adapter = load_lora_adapter(name, path, self.setup.spec, self.setup.max_lora_rank)
+        read = time.perf_counter()
         packed = self.setup.packer.pack(adapter)
         if self.host is not None:
             packed = self.host.hold(packed)
-        return LoadedAdapter(packed, adapter.max_rank, time.perf_counter() - start)
+        end = time.perf_counter()
+        return LoadedAdapter(packed, adapter.max_rank, end - start, phases=ReadPhases(read - start, 0.0, end - read))
 
     def close(self) -> None:
         pass
@@ -270,11 +282,12 @@ class ProcessReader:
             raise LoRAAdapterError(adapter, problem, module)
         if kind == "failed":
             raise AdapterReaderError(name, f"can't be read: the adapter reader failed ({reply[1]})")
-        _, shape, row_blocks, ranks, rank, seconds, _ = reply
+        _, shape, row_blocks, ranks, rank, seconds, phases, _ = reply
         if taken is not None:
             data, ranks_in_arena = taken
             ranks_in_arena.copy_(torch.tensor(ranks, dtype=torch.int32))
-            return LoadedAdapter(PackedAdapter(data, tuple(row_blocks), ranks_in_arena), rank, seconds)
+            return LoadedAdapter(PackedAdapter(data, tuple(row_blocks), ranks_in_arena), rank, seconds,
+                                 phases=ReadPhases(*phases))
         try:
             fd = recv_handle(child.conn)
         except (EOFError, OSError) as exc:
@@ -283,7 +296,7 @@ class ProcessReader:
                                torch.tensor(ranks, dtype=torch.int32))
         if self.host is not None:
             packed = self.host.hold(packed)  # one bulk copy
-        return LoadedAdapter(packed, rank, seconds)
+        return LoadedAdapter(packed, rank, seconds, phases=ReadPhases(*phases))
 
     @staticmethod
     def _reply(child: _Child, timeout: float, doing: str):
@@ -406,10 +419,12 @@ def _answer(conn: Connection, setup: ReaderSetup, arena: torch.Tensor | None, na
     try:
         adapter = load_lora_adapter(name, path, setup.spec, setup.max_lora_rank)
         shape = setup.packer.shape_of(adapter)
+        read = time.perf_counter()
         where = ("own",)
         if arena is not None:
             conn.send(("shape", shape))
             where = conn.recv()  # ("arena", offset) or ("own",)
+        given = time.perf_counter()
         if where[0] == "arena":
             nbytes = math.prod(shape) * setup.packer.dtype.itemsize
             data = arena[where[1]:where[1] + nbytes].view(setup.packer.dtype).view(shape)
@@ -417,8 +432,9 @@ def _answer(conn: Connection, setup: ReaderSetup, arena: torch.Tensor | None, na
         else:
             shared, data = _shared_zeros(shape, setup.packer.dtype)
         packed = setup.packer.pack(adapter, data)
-        reply = ("packed", shape, packed.row_blocks, packed.ranks.tolist(), adapter.max_rank,
-                 time.perf_counter() - start, records)
+        end = time.perf_counter()
+        reply = ("packed", shape, packed.row_blocks, packed.ranks.tolist(), adapter.max_rank, end - start,
+                 (read - start, given - read, end - given), records)
         del adapter, packed, data  # unmapped here: a shared file stays until the engine's process has it
     except LoRAAdapterError as exc:
         reply = ("adapter_error", exc.adapter, exc.problem, exc.module, records)

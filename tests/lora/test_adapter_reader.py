@@ -85,6 +85,10 @@ def test_the_process_packs_what_the_thread_packs(base, readers, tmp_path):  # no
         assert process.packed.data.dtype == thread.packed.data.dtype == torch.bfloat16
         assert torch.equal(process.packed.data, thread.packed.data) and thread.packed.data.abs().sum() > 0
         assert process.seconds > 0
+        for loaded in (thread, process):  # where the time went: three non-negative parts of it
+            parts = (loaded.phases.files, loaded.phases.range_wait, loaded.phases.pack)
+            assert loaded.phases.files > 0 and min(parts) >= 0 and sum(parts) <= loaded.seconds + 1e-6
+        assert thread.phases.range_wait == 0.0
 
 
 def broken_folders(base, tmp_path) -> dict[str, str]:  # noqa: F811
@@ -261,8 +265,11 @@ def test_reader_processes_pack_straight_into_a_shared_arena(base, spec, tmp_path
         return 0 <= host.offset_of(packed.data) < host.nbytes and 0 <= host.offset_of(packed.ranks) < host.nbytes
 
     try:
-        first = process.read("a", big).packed
+        loaded = process.read("a", big)
+        first = loaded.packed
         assert in_arena(first)
+        # the reader process waited for this process to give it a range, within the read's time
+        assert 0 < loaded.phases.range_wait < loaded.seconds and loaded.phases.pack > 0
         assert torch.equal(first.data, expected[big].data) and torch.equal(first.ranks, expected[big].ranks)
         host.give_back(first.data)
         held = []
@@ -380,6 +387,8 @@ def test_add_request_reads_a_new_adapter_in_the_background(root):
         assert done["sql-1"].error is None and len(done["sql-1"].outputs[0].token_ids) == GREEDY.max_tokens
         assert done["sql-1"].outputs[0].token_ids == done["sql-2"].outputs[0].token_ids
         assert sorted(engine.list_loras()) == ["chat", "sql"]  # the aborted request's adapter was read anyway
+        phases = list(engine.lora_manager.recent_read_phases)  # one per adapter read from disk
+        assert len(phases) == len(engine.lora_manager.recent_load_seconds) == 2 and all(p.files > 0 for p in phases)
         assert not engine.lora_manager.refcounts
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     finally:
