@@ -55,6 +55,9 @@ def test_many_adapters_quick(tmp_path):
     assert zipf["gpu_loads"] >= 1 and zipf["h2d_adapter_bytes"] > 0 and zipf["floor"]["adapter_bytes"] > 0
     assert zipf["read_slots"] >= 1 and zipf["read_seconds_total"] >= zipf["read_seconds_p50"] > 0
     assert base["read_slots"] == 0 and base["read_seconds_total"] == 0
+    phases = zipf["read_phases_p50"]  # medians of each part, each no more than the reads' median in all
+    assert base["read_phases_p50"] is None and 0 < phases["files"] <= zipf["read_seconds_p50"]
+    assert 0 <= phases["range_wait"] and 0 < phases["pack"] <= zipf["read_seconds_p50"]
     assert 0 < zipf["pool_bytes_used_peak"] <= zipf["pool_bytes_total"]
     assert {"hot", "cold"} <= set(zipf["ttft_s"])
     assert fair["request_rate"] == runs[base_poisson]["request_rate"] == many_adapters.FAIRNESS_RATE
