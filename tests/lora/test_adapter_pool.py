@@ -1,6 +1,7 @@
 """The paged GPU adapter pool (on the CPU here): packing, memory at an adapter's own rank, stale pages,
 and the manager's bookkeeping under 10,000 random load / evict / request events."""
 import random
+import threading
 from dataclasses import replace
 
 import numpy as np
@@ -329,4 +330,38 @@ def test_reads_ahead_stop_at_the_host_caches_room_and_push_out_nothing_awaited()
             manager.prefetch(names[4:], protected=set(names[2:4]), idle=True)
         assert manager.num_loads == 7  # two more read: the room the pool's new adapters left in the host cache
     finally:
+        manager.close()
+
+
+def test_a_worker_that_finishes_a_read_starts_the_next_without_waiting_for_a_step():
+    """Reads are queued behind the running ones (READ_QUEUE_FACTOR per worker): after one load-ahead call with
+    three waiting adapters, the thread reader's one worker reads the first and then the second without another
+    call (the next step); the third is not started until a call finds room for it."""
+    manager = LoRAManager(tiny_runtime(max_loras=4, max_rank=16))
+    names = [f"a{i}" for i in range(3)]
+    for i, name in enumerate(names):
+        manager.register_adapter(name, random_adapter(manager.runtime.spec, name, 16, seed=i))
+        manager.acquire(name)  # a waiting request
+    started = {name: threading.Event() for name in names}
+    release_first = threading.Event()
+    read = manager._read
+
+    def observed_read(name, entry):
+        started[name].set()
+        if name == names[0]:
+            assert release_first.wait(10)  # the first read runs until the others have been queued
+        return read(name, entry)
+
+    manager._read = observed_read
+    try:
+        manager.prefetch(names, protected=set())
+        assert started[names[0]].wait(10)
+        assert not started[names[1]].is_set()  # queued behind the first: one worker
+        release_first.set()
+        assert started[names[1]].wait(10)  # started when the first finished, with no call in between
+        assert not started[names[2]].is_set()
+        manager.prefetch(names, protected=set(), idle=True)
+        assert started[names[2]].wait(10)
+    finally:
+        release_first.set()
         manager.close()
