@@ -13,9 +13,9 @@
 - reading (lora/reader.py): adapter folders are read, checked and packed by the reader, in reader processes
   on CUDA (the engine's interpreter stays free for the steps), called from worker threads here (up to
   `read_workers()` reads side by side with reader processes, one with the thread reader, whose reads hold the
-  interpreter lock) or from the caller's thread (`load`). As many reads again are queued behind the running
-  ones (READ_QUEUE_FACTOR), so that a worker that finishes one starts the next at once rather than at the
-  next step (steps and reads take tens of milliseconds each). `close()` stops both.
+  interpreter lock) or from the caller's thread (`load`). With reader processes as many reads again are
+  queued behind the running ones (READ_QUEUE_FACTOR), so that a worker that finishes one starts the next at
+  once rather than at the next step (steps and reads take tens of milliseconds each). `close()` stops both.
 - load-ahead (`prefetch`): the adapters of waiting requests are read from disk on the worker threads and
   copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
   running or waiting request needs. Reads start only while the host cache has room for them beside the
@@ -57,7 +57,7 @@ IN_MEMORY = "<in memory>"  # the path shown for adapters registered as objects
 IN_MEMORY_VERSION = (IN_MEMORY,)  # an adapter object's weights never change behind its name
 LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
 MAX_READ_WORKERS = 8  # adapters read side by side at most (reader processes)
-READ_QUEUE_FACTOR = 2  # reads started (running or queued on the worker threads): this many per worker
+READ_QUEUE_FACTOR = 2  # reads started (running or queued on the worker threads): this many per reader process
 IDLE_WAIT_S = 0.01  # how long a step with nothing to run waits for a read
 
 
@@ -112,8 +112,10 @@ class LoRAManager:
         self._reader = make_reader(reader_kind,
                                    ReaderSetup(runtime.spec, self.config.max_lora_rank, runtime.packer),
                                    runtime.host, processes=workers)
-        self._read_slots = workers if isinstance(self._reader, ProcessReader) else 1
-        self._read_depth = READ_QUEUE_FACTOR * self._read_slots  # reads started at most, running or queued
+        processes = isinstance(self._reader, ProcessReader)
+        self._read_slots = workers if processes else 1
+        # reads started at most, running or queued (the thread reader's hold the interpreter lock: one at a time)
+        self._read_depth = READ_QUEUE_FACTOR * self._read_slots if processes else 1
         self._worker = ThreadPoolExecutor(max_workers=self._read_slots, thread_name_prefix="lora-load")
         self._queued_registrations: OrderedDict[str, str] = OrderedDict()  # name -> path, not started yet
         self.num_loads = 0  # adapters read from disk (or packed) since start
@@ -304,9 +306,9 @@ class LoRAManager:
 
     def _may_start_read(self, nbytes: int, in_flight: int, awaited: int, first: bool = False) -> bool:
         """Whether a read of `nbytes` may start beside `in_flight` reads and `awaited` bytes (`_read_state`): fewer
-        than READ_QUEUE_FACTOR reads per worker are started (running or queued), and the host cache's budget holds it beside the reads in flight and the adapters read for
-        waiting requests that are not in the pool yet (what it would push out is then only what no waiting
-        request needs first). When no read is in flight, the adapter to be offered room first (`first`: the
+        reads than `_read_depth` are started (running or queued), and the host cache's budget holds it beside the
+        reads in flight and the adapters read for waiting requests that are not in the pool yet (what it would
+        push out is then only what no waiting request needs first). When no read is in flight, the adapter to be offered room first (`first`: the
         starving one, if any) is read whatever the budget, and so is any adapter while none waits in the host
         cache: every wait stays bounded, whatever the budget."""
         if in_flight >= self._read_depth:

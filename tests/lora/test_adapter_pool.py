@@ -15,6 +15,7 @@ from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import gather_a, gather_b
 from loraserve.lora.manager import IN_MEMORY, LoRAManager
+import loraserve.lora.manager as manager_module
 from loraserve.lora.pool import PageLayout
 from loraserve.lora.runtime import LoRARuntime
 from loraserve.lora.synthetic import ALL_TARGETS, random_adapter
@@ -333,11 +334,17 @@ def test_reads_ahead_stop_at_the_host_caches_room_and_push_out_nothing_awaited()
         manager.close()
 
 
-def test_a_worker_that_finishes_a_read_starts_the_next_without_waiting_for_a_step():
-    """Reads are queued behind the running ones (READ_QUEUE_FACTOR per worker): after one load-ahead call with
-    three waiting adapters, the thread reader's one worker reads the first and then the second without another
-    call (the next step); the third is not started until a call finds room for it."""
-    manager = LoRAManager(tiny_runtime(max_loras=4, max_rank=16))
+def test_a_worker_that_finishes_a_read_starts_the_next_without_waiting_for_a_step(monkeypatch):
+    """With reader processes, reads are queued behind the running ones (READ_QUEUE_FACTOR per process): after
+    one load-ahead call with three waiting adapters, one worker reads the first and then the second without
+    another call (the next step); the third is not started until a call finds room for it. The thread reader,
+    whose reads hold the interpreter lock, starts one at a time."""
+    monkeypatch.setattr(manager_module, "read_workers", lambda: 1)
+    thread_reader = LoRAManager(tiny_runtime(max_loras=4, max_rank=16, lora_reader="thread"))
+    assert thread_reader._read_depth == 1
+    thread_reader.close()
+    manager = LoRAManager(tiny_runtime(max_loras=4, max_rank=16, lora_reader="process"))
+    assert manager.read_slots == 1
     names = [f"a{i}" for i in range(3)]
     for i, name in enumerate(names):
         manager.register_adapter(name, random_adapter(manager.runtime.spec, name, 16, seed=i))
