@@ -13,9 +13,10 @@
 - reading (lora/reader.py): adapter folders are read, checked and packed by the reader, in reader processes
   on CUDA (the engine's interpreter stays free for the steps), called from worker threads here (up to
   `read_workers()` reads side by side with reader processes, one with the thread reader, whose reads hold the
-  interpreter lock) or from the caller's thread (`load`). With reader processes as many reads again are
-  queued behind the running ones (READ_QUEUE_FACTOR), so that a worker that finishes one starts the next at
-  once rather than at the next step (steps and reads take tens of milliseconds each). `close()` stops both.
+  interpreter lock) or from the caller's thread (`load`). With reader processes READ_QUEUE_FACTOR reads per
+  process are started, one running and the others queued behind it, so that a worker that finishes a read
+  starts the next at once rather than at the next step (steps and reads take tens of milliseconds each).
+  `close()` stops both.
 - load-ahead (`prefetch`): the adapters of waiting requests are read from disk on the worker threads and
   copied into the pool while earlier steps run, as far as room allows without evicting an adapter that a
   running or waiting request needs. Reads start only while the host cache has room for them beside the
@@ -57,7 +58,9 @@ IN_MEMORY = "<in memory>"  # the path shown for adapters registered as objects
 IN_MEMORY_VERSION = (IN_MEMORY,)  # an adapter object's weights never change behind its name
 LOAD_HISTORY = 1024  # the most recent adapter load times kept for metrics
 MAX_READ_WORKERS = 8  # adapters read side by side at most (reader processes)
-READ_QUEUE_FACTOR = 2  # reads started (running or queued on the worker threads): this many per reader process
+# reads started (running or queued on the worker threads): this many per reader process (a prefill step takes as
+# long as a few reads)
+READ_QUEUE_FACTOR = 4
 IDLE_WAIT_S = 0.01  # how long a step with nothing to run waits for a read
 
 

@@ -336,16 +336,16 @@ def test_reads_ahead_stop_at_the_host_caches_room_and_push_out_nothing_awaited()
 
 def test_a_worker_that_finishes_a_read_starts_the_next_without_waiting_for_a_step(monkeypatch):
     """With reader processes, reads are queued behind the running ones (READ_QUEUE_FACTOR per process): after
-    one load-ahead call with three waiting adapters, one worker reads the first and then the second without
-    another call (the next step); the third is not started until a call finds room for it. The thread reader,
-    whose reads hold the interpreter lock, starts one at a time."""
+    one load-ahead call with one waiting adapter more than that, one worker reads them one after another without
+    another call (the next step), all but the last, which is not started until a call finds room for it. The
+    thread reader, whose reads hold the interpreter lock, starts one at a time."""
     monkeypatch.setattr(manager_module, "read_workers", lambda: 1)
     thread_reader = LoRAManager(tiny_runtime(max_loras=4, max_rank=16, lora_reader="thread"))
     assert thread_reader._read_depth == 1
     thread_reader.close()
-    manager = LoRAManager(tiny_runtime(max_loras=4, max_rank=16, lora_reader="process"))
-    assert manager.read_slots == 1
-    names = [f"a{i}" for i in range(3)]
+    manager = LoRAManager(tiny_runtime(max_loras=8, max_rank=16, lora_reader="process"))
+    assert manager.read_slots == 1 and manager_module.READ_QUEUE_FACTOR >= 2
+    names = [f"a{i}" for i in range(manager_module.READ_QUEUE_FACTOR + 1)]
     for i, name in enumerate(names):
         manager.register_adapter(name, random_adapter(manager.runtime.spec, name, 16, seed=i))
         manager.acquire(name)  # a waiting request
@@ -365,10 +365,11 @@ def test_a_worker_that_finishes_a_read_starts_the_next_without_waiting_for_a_ste
         assert started[names[0]].wait(10)
         assert not started[names[1]].is_set()  # queued behind the first: one worker
         release_first.set()
-        assert started[names[1]].wait(10)  # started when the first finished, with no call in between
-        assert not started[names[2]].is_set()
+        for name in names[1:-1]:
+            assert started[name].wait(10)  # each started when the one before finished, with no call in between
+        assert not started[names[-1]].is_set()
         manager.prefetch(names, protected=set(), idle=True)
-        assert started[names[2]].wait(10)
+        assert started[names[-1]].wait(10)
     finally:
         release_first.set()
         manager.close()
