@@ -311,9 +311,9 @@ class LoRAManager:
         """Whether a read of `nbytes` may start beside `in_flight` reads and `awaited` bytes (`_read_state`): fewer
         reads than `_read_depth` are started (running or queued), and the host cache's budget holds it beside the
         reads in flight and the adapters read for waiting requests that are not in the pool yet (what it would
-        push out is then only what no waiting request needs first). When no read is in flight, the adapter to be offered room first (`first`: the
-        starving one, if any) is read whatever the budget, and so is any adapter while none waits in the host
-        cache: every wait stays bounded, whatever the budget."""
+        push out is then only what no waiting request needs first). When no read is in flight, the adapter to be
+        offered room first (`first`: the starving one, if any) is read whatever the budget, and so is any adapter
+        while none waits in the host cache: every wait stays bounded, whatever the budget."""
         if in_flight >= self._read_depth:
             return False
         if in_flight == 0 and (first or awaited == 0):
