@@ -180,12 +180,14 @@ class StepLog:
         return [(kind, later - t) for (t, kind), later in zip(self.marks, calls[1:])]
 
     def seconds_by_kind(self, end: float) -> dict[str, dict]:
-        """Per kind: schedule calls and their periods' seconds."""
-        out = {kind: {"calls": 0, "seconds": 0.0} for kind in STEP_KINDS}
+        """Per kind: schedule calls, their periods' seconds and the median period (with async scheduling a
+        decode-only period after a prompt step also carries that step's GPU time: the median is the typical
+        decode step, the sum is where the wall time went)."""
+        periods = {kind: [] for kind in STEP_KINDS}
         for kind, seconds in self._periods(end):
-            out[kind]["calls"] += 1
-            out[kind]["seconds"] += seconds
-        return out
+            periods[kind].append(seconds)
+        return {kind: {"calls": len(p), "seconds": float(sum(p)), "p50_s": float(np.median(p)) if p else None}
+                for kind, p in periods.items()}
 
     def trace(self, end: float) -> list[list]:
         """Per recorded step, in order: [its period's seconds, prompt tokens, decode rows, distinct adapters] (the
@@ -504,7 +506,9 @@ def print_results(runs: dict[str, dict], args, device) -> None:
                  f"{r['read_slots']} readers, {r['read_seconds_total'] / (r['read_slots'] * r['elapsed_s']):.0%} of "
                  "their time)" if r["read_seconds_p50"] is not None else ""))
         split = r["step_seconds"]
-        print(f"    {split['decode']['calls']} decode-only steps {split['decode']['seconds']:.2f} s, "
+        decode_p50 = split["decode"]["p50_s"]
+        print(f"    {split['decode']['calls']} decode-only steps {split['decode']['seconds']:.2f} s"
+              + (f" (median {1e3 * decode_p50:.1f} ms)" if decode_p50 is not None else "") + ", "
               f"{split['prompt']['calls']} with prompt tokens {split['prompt']['seconds']:.2f} s, "
               f"{split['idle']['calls']} schedules with nothing to run {split['idle']['seconds']:.2f} s")
         prompt_steps = [step for step in r["step_trace"] if step[1]]

@@ -5,6 +5,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -45,6 +46,8 @@ def test_many_adapters_quick(tmp_path):
         assert len(trace) == run["engine_steps"], name
         assert sum(step[0] for step in trace) == pytest.approx(seconds - split["idle"]["seconds"], rel=1e-3), name
         assert sum(1 for step in trace if step[1]) == split["prompt"]["calls"], name
+        decode_periods = [step[0] for step in trace if not step[1]]  # the decode-only steps' periods
+        assert split["decode"]["p50_s"] == pytest.approx(float(np.median(decode_periods)), rel=1e-3), name
         assert sum(step[1] for step in trace) >= 16 * run["requests"], name  # --quick prompts: 16-64 tokens
         assert all(step[2] <= 32 and step[3] <= 8 for step in trace), name
     base, zipf, fair = runs["base"], runs["8-zipf"], runs["fairness"]
