@@ -67,8 +67,8 @@ def warm_up_sizes(budget: int) -> list[int]:
     and p + 2, and the budget. The kernels' shapes change only past powers of two (the LoRA kernels' tiles and
     K splits; the side stream's 512-token scratch, past which the LoRA eager path starts), so p + 1 and p + 2
     start each range of one shape, odd and even: Triton specializes an integer argument on whether 16 divides
-    it, and some arguments are token counts times a width (a rank-8 shrink's partial sums, T x 8 or T x 24),
-    which odd and even counts specialize differently."""
+    it, and the kernels whose token-derived arguments are not marked do_not_specialize (the shrink's partial-sum
+    stride, T x S*R, was one) see odd and even counts as different kernels."""
     powers = [1 << k for k in range(5, budget.bit_length())]
     return sorted({n for p in powers for n in (p, p + 1, p + 2) if n <= budget} | {budget})
 
