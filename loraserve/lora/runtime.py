@@ -46,10 +46,14 @@ from loraserve.models.lora_spec import LoRAModelSpec
 logger = logging.getLogger(__name__)
 
 # Without lora_gpu_memory the adapter pool takes this share of the memory the KV cache could take, and more
-# where the KV cache could never use it all (max_num_seqs sequences of max_model_len need less), up to room
-# for max_loras adapters of max_lora_rank: the KV cache keeps at least ~75 % of the blocks it has without
-# LoRA (docs/experiments.md).
+# where the KV cache could never use it all (max_num_seqs sequences of max_model_len need less): up to room for
+# POOL_STEPS steps of max_loras adapters of max_lora_rank. The KV cache keeps at least ~75 % of the blocks it
+# has without LoRA (docs/experiments.md).
 DEFAULT_POOL_SHARE = 0.22
+# Room for the adapters of the running requests and as many again, read and copied ahead for the next ones: with
+# room for one step's only, the pool was full from the first wave of a trace over 512 adapters and the adapters
+# of each next wave were copied in as its requests were admitted (docs/benchmarks.md, many adapters).
+POOL_STEPS = 2
 CPU_POOL_BYTES = 256 * 2**20  # the default pool on a CPU: at most this, at most max_loras adapters of max rank
 
 
@@ -182,7 +186,7 @@ class LoRARuntime:
         if self.config.lora_gpu_memory is not None:
             size = int(self.config.lora_gpu_memory * 2**30)
         elif kv_room is not None:
-            unused_by_kv = min(kv_room.available - kv_room.useful, step_pages * page_bytes)
+            unused_by_kv = min(kv_room.available - kv_room.useful, POOL_STEPS * step_pages * page_bytes)
             size = int(max(DEFAULT_POOL_SHARE * kv_room.available, unused_by_kv))
         else:
             return max(max_pages, min(CPU_POOL_BYTES // page_bytes, step_pages))

@@ -17,7 +17,7 @@ from loraserve.kernels.lora_reference import gather_a, gather_b
 from loraserve.lora.manager import IN_MEMORY, LoRAManager
 import loraserve.lora.manager as manager_module
 from loraserve.lora.pool import PageLayout
-from loraserve.lora.runtime import LoRARuntime
+from loraserve.lora.runtime import POOL_STEPS, KVRoom, LoRARuntime
 from loraserve.lora.synthetic import ALL_TARGETS, random_adapter
 from loraserve.models.loader import open_model
 from loraserve.models.synthetic import SYNTHETIC_CONFIGS
@@ -230,6 +230,23 @@ def test_layers_no_adapter_of_the_step_has_weights_in_run_no_lora_kernels(monkey
 def test_a_pool_smaller_than_one_max_rank_adapter_is_refused():
     with pytest.raises(ValueError, match="max_lora_rank"):
         tiny_runtime(max_rank=64, pages=7)
+
+
+def test_the_default_pool_takes_its_share_or_what_the_kv_cache_can_never_use_up_to_two_steps_of_adapters():
+    """Without lora_gpu_memory the pool is DEFAULT_POOL_SHARE of the KV cache's room, or, where max_num_seqs
+    sequences of max_model_len can never use all that room, the rest up to room for POOL_STEPS steps of max_loras
+    adapters of max rank."""
+    def model():  # each runtime wraps its model's layers
+        return open_model("synthetic:tiny").load(torch.device("cpu"), torch.float32).model
+
+    config = LoRAConfig(max_loras=8, max_lora_rank=16)
+    pool = LoRARuntime(model(), config, 64, None).pool  # the CPU default: room for max_loras adapters of max rank
+    one = pool.max_adapter_pages * pool.page_bytes  # an adapter of max rank on every layer
+    # (KV room, KV bytes ever used) in max-rank adapters -> adapters the pool holds
+    for available, useful, want in ((100, 90, 22), (20, 10, 10), (40, 10, POOL_STEPS * 8)):
+        room = KVRoom(available * one, useful * one)
+        pages = LoRARuntime(model(), config, 64, None, kv_room=room).pool.num_pages
+        assert pages * pool.page_bytes // one == want, (available, useful)
 
 
 def test_the_manager_never_leaks_pages_under_random_events():

@@ -1,0 +1,186 @@
+"""Where LoRA's cost in a decode graph goes: the bucket's graph recaptured with parts of the LoRA layers left out.
+
+Builds a LoRA engine with B sequences in the decode state over N adapters (as profile_decode.py does), then
+for each variant recaptures the graph of B's bucket on the same GPU and times its replay (median of --reps,
+CUDA events), the variants in turn for --rounds rounds, and prints the torch profiler's GPU time per replay
+by kernel kind in the first round. Variants other than `full` compute wrong outputs: they are for timing
+only, and the engine is not used to serve afterwards.
+
+- full: as the engine serves (each LoRA layer forks the side stream, runs its shrink and expand there
+  beside the base GEMM and joins back);
+- base: the LoRA layers run their base layer alone (no fork, no join, no delta);
+- fork-join: the forks and joins and the delta read by the next op, without the shrink and expand kernels;
+- no-shrink / no-expand: one of the two kernels left out;
+- no-join: the side stream is joined back only after the model's last LoRA layer;
+- no-fork: the side stream waits for the main one only before the first LoRA layer.
+
+    python benchmarks/lora_graph_parts.py --batch 32 --adapters 8 --lora-rank 16
+    python benchmarks/lora_graph_parts.py --batch 256 --adapters 200 --lora-rank 8 \
+        --targets q_proj,k_proj,v_proj,o_proj --variants full,base,fork-join
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from unittest import mock
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(__file__)]
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench_common import fill_kv_random, start_decode_batch  # noqa: E402
+from loraserve.config import EngineArgs  # noqa: E402
+from loraserve.engine.engine import LLMEngine  # noqa: E402
+from loraserve.lora.layers import LoRALinear  # noqa: E402
+from loraserve.lora.side_stream import BoundLoRADelta, expand_grid, shrink_grid  # noqa: E402
+from loraserve.lora.synthetic import random_adapter  # noqa: E402
+
+VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork")
+KINDS = (("shrink", ("shrink",)), ("expand", ("expand",)),
+         ("attention", ("decode_kernel", "reduce_kernel", "attn")),
+         ("gemm", ("gemm", "cutlass", "sm90", "xmma", "cublas")))
+
+
+def without_kernels(leave_out: tuple[str, ...]):
+    """BoundLoRADelta.__call__ launching only the kernels not in leave_out ("shrink", "expand")."""
+    def call(self, x, stream=None):
+        t = x.shape[0]
+        delta = self.scratch.delta_view(t, self.n_out)
+        if "shrink" not in leave_out:
+            self.shrink(shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras), x, t, x.stride(0), x.stride(1),
+                        stream=stream)
+        if "expand" not in leave_out:
+            self.expand(expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True), t, stream=stream)
+        return delta
+    return mock.patch.object(BoundLoRADelta, "__call__", call)
+
+
+class _OnStream:
+    """A LoRA layer's fork or join event recorded on another stream than the layer asks for, so that waiting
+    for it orders nothing: the fork on the side stream itself, the join on the stream the pass is issued on."""
+
+    def __init__(self, event: torch.cuda.Event, stream: torch.cuda.Stream | None):
+        self.event, self.stream = event, stream  # stream None: the current one (the pass's main stream)
+
+    def record(self, stream=None):
+        self.event.record(self.stream or torch.cuda.current_stream())
+
+    def wait(self, stream=None):
+        self.event.wait(stream)
+
+
+@contextlib.contextmanager
+def with_edges(model: torch.nn.Module, side_stream: torch.cuda.Stream, fork: bool, join: bool):
+    """The LoRA layers with the side stream forked (waiting for the main one) only before the first LoRA layer
+    unless `fork`, and joined back only after the last one unless `join`."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    saved = [(layer, layer._fork, layer._join) for layer in layers]
+    try:
+        for layer in layers[1:] if not fork else ():
+            layer._fork = _OnStream(layer._fork, side_stream)
+        for layer in layers[:-1] if not join else ():
+            layer._join = _OnStream(layer._join, None)
+        yield
+    finally:
+        for layer, fork_event, join_event in saved:
+            layer._fork, layer._join = fork_event, join_event
+
+
+def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
+    """The context that makes the LoRA layers run as variant `name`."""
+    if name == "full":
+        return contextlib.nullcontext()
+    if name == "base":
+        return mock.patch.object(LoRALinear, "forward", lambda self, x, ctx=None: self.base(x))
+    if name == "fork-join":
+        return without_kernels(("shrink", "expand"))
+    if name in ("no-shrink", "no-expand"):
+        return without_kernels((name[3:],))
+    return with_edges(model, side_stream, fork=name != "no-fork", join=name != "no-join")
+
+
+def kernel_split(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict[str, float]:
+    """GPU ms per replay of the graph's kernels by kind (side-stream kernels overlap the others)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for event in prof.key_averages():
+        name = event.key.lower()
+        kind = next((k for k, words in KINDS if any(w in name for w in words)), "other")
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / replays
+    return {k: round(v, 3) for k, v in sorted(kinds.items())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic:llama-3-8b")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--targets", default="", help="comma-separated PEFT module names (default: every module)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    names = args.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    if args.adapters < 1:
+        parser.error("--adapters must be at least 1")
+    engine = LLMEngine.from_args(EngineArgs(
+        args.model, max_model_len=args.context + 256, max_num_seqs=args.batch, gpu_memory_utilization=0.85,
+        enable_lora=True, max_loras=args.adapters, max_lora_rank=args.lora_rank))
+    targets = tuple(args.targets.split(",")) if args.targets else None
+    adapters = [f"a{i}" for i in range(args.adapters)]
+    for i, name in enumerate(adapters):
+        engine.lora_manager.register_adapter(
+            name, random_adapter(engine.lora_manager.runtime.spec, name, args.lora_rank, targets, seed=i))
+    fill_kv_random(engine)
+    start_decode_batch(engine, args.batch, args.context, 100, adapters)
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    runner, model = engine.runner.graph_runner, engine.runner.model
+    side_stream = engine.lora_manager.runtime.side.stream
+    bucket = runner.bucket_for(args.batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for rnd in range(args.rounds):
+        for name in names:
+            for layer in model.modules():  # launches bound in another variant would be reused
+                if isinstance(layer, LoRALinear):
+                    layer._bound.clear()
+            with variant(name, model, side_stream), torch.inference_mode():
+                runner._forward(bucket)  # binds the launches outside the capture
+                torch.cuda.synchronize()
+                graph, _ = runner.capture_bucket(bucket)
+            replays = []
+            for _ in range(args.reps):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                replays.append(start.elapsed_time(end))
+            times[name].append(float(np.median(replays)))
+            print(f"round {rnd} {name:10s} replay {times[name][-1]:.3f} ms", flush=True)
+            if rnd == 0:
+                print(f"    GPU ms per replay by kernel kind: {kernel_split(graph)}", flush=True)
+            del graph
+    first = np.mean(times[names[0]])
+    print(f"{args.model} B={args.batch} context={args.context} adapters={args.adapters} rank={args.lora_rank} "
+          f"targets={args.targets or 'all'}; replay ms, mean of the rounds' medians:")
+    for name in names:
+        print(f"  {name:10s} {np.mean(times[name]):.3f} ({np.mean(times[name]) / first:.3f}x {names[0]})")
+
+
+if __name__ == "__main__":
+    main()
