@@ -12,16 +12,21 @@ only, and the engine is not used to serve afterwards.
 - fork-join: the forks and joins and the delta read by the next op, without the shrink and expand kernels;
 - no-shrink / no-expand: one of the two kernels left out;
 - no-join: the side stream is joined back only after the model's last LoRA layer;
-- no-fork: the side stream waits for the main one only before the first LoRA layer.
+- no-fork: the side stream waits for the main one only before the first LoRA layer;
+- inline, inline-MODULE: every LoRA layer, or those holding PEFT module MODULE (e.g. inline-o_proj), add
+  their products in order on the main stream, in place (the path of steps larger than the side stream takes;
+  right outputs).
 
     python benchmarks/lora_graph_parts.py --batch 32 --adapters 8 --lora-rank 16
     python benchmarks/lora_graph_parts.py --batch 256 --adapters 200 --lora-rank 8 \
         --targets q_proj,k_proj,v_proj,o_proj --variants full,base,fork-join
+    python benchmarks/lora_graph_parts.py --variants full,inline,inline-o_proj,inline-down_proj
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import sys
 from unittest import mock
@@ -38,7 +43,7 @@ from loraserve.lora.layers import LoRALinear  # noqa: E402
 from loraserve.lora.side_stream import BoundLoRADelta, expand_grid, shrink_grid  # noqa: E402
 from loraserve.lora.synthetic import random_adapter  # noqa: E402
 
-VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork")
+VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork", "inline")
 KINDS = (("shrink", ("shrink",)), ("expand", ("expand",)),
          ("attention", ("decode_kernel", "reduce_kernel", "attn")),
          ("gemm", ("gemm", "cutlass", "sm90", "xmma", "cublas")))
@@ -89,10 +94,25 @@ def with_edges(model: torch.nn.Module, side_stream: torch.cuda.Stream, fork: boo
             layer._fork, layer._join = fork_event, join_event
 
 
+def in_order(module: str | None):
+    """LoRALinear.forward running the layers that hold PEFT module `module` (all layers: None) without the side
+    stream: their products added in place, in order, on the pass's stream."""
+    forward = LoRALinear.forward
+
+    def patched(self, x, ctx=None):
+        lora = ctx.lora if ctx is not None else None
+        if lora is not None and lora.side is not None and (module is None or module in self.slice_names):
+            ctx = dataclasses.replace(ctx, lora=dataclasses.replace(lora, side=None))
+        return forward(self, x, ctx)
+    return mock.patch.object(LoRALinear, "forward", patched)
+
+
 def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
     """The context that makes the LoRA layers run as variant `name`."""
     if name == "full":
         return contextlib.nullcontext()
+    if name == "inline" or name.startswith("inline-"):
+        return in_order(name[len("inline-"):] or None)
     if name == "base":
         return mock.patch.object(LoRALinear, "forward", lambda self, x, ctx=None: self.base(x))
     if name == "fork-join":
@@ -131,7 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS]
+    unknown = [n for n in names if n not in VARIANTS and not n.startswith("inline-")]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if args.adapters < 1:
