@@ -1,4 +1,4 @@
-"""Loading a PEFT LoRA adapter folder into validated tensors (in the file's dtype), scaling folded into B.
+"""Loading a PEFT LoRA adapter folder into validated tensors (in the file's dtype) and each B's scale.
 
 `load_lora_adapter` reads adapter_config.json and adapter_model.safetensors (or
 adapter_model.bin, through `torch.load(weights_only=True)` only), maps every
@@ -15,7 +15,7 @@ import math
 import os
 import pickle
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from safetensors import SafetensorError
@@ -45,13 +45,29 @@ _LAYER_MODULE = re.compile(r"(?:.*\.)?layers\.(?P<layer>\d+)\.(?:.+\.)?(?P<short
 
 @dataclass
 class LoRAAdapter:
-    """A validated adapter: per (layer index, module short name) its A and scaled B."""
+    """A validated adapter: per (layer index, module short name) its A and B as read, and B's scale.
+
+    The scale (PEFT's lora_alpha / r, or / sqrt(r)) is applied when the adapter is packed, in the same
+    copy that casts B to the model's dtype (lora/pool.py), not by a pass of its own over B: the product is
+    B * scale in float32, rounded once to the model's dtype, as scaling an upcast B first gives.
+    """
 
     name: str
     path: str
     max_rank: int  # max rank over its modules
-    # (layer, slice module) -> (A [r, in], B_scaled [out, r]); the slices of a packed module share one A
+    # (layer, slice module) -> (A [r, in], B [out, r]); the slices of a packed module share one A
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer, slice module) -> the scale of its B, where it is not 1
+    scales: dict[tuple[int, str], float] = field(default_factory=dict)
+
+    def scale_of(self, key: tuple[int, str]) -> float:
+        return self.scales.get(key, 1.0)
+
+    def scaled_b(self, key: tuple[int, str]) -> torch.Tensor:
+        """B * its scale (float32 where the scale is not 1): the factor the adapter's delta is x @ A.T @ B.T of."""
+        b = self.weights[key][1]
+        scale = self.scale_of(key)
+        return b if scale == 1 else b.to(torch.float32) * scale
 
     def nbytes(self) -> int:
         tensors = {id(t): t for pair in self.weights.values() for t in pair}  # a shared A once
@@ -76,7 +92,7 @@ class LoRAAdapter:
             return moved[id(t)]
 
         weights = {key: (move_once(a), move_once(b)) for key, (a, b) in self.weights.items()}
-        return LoRAAdapter(self.name, self.path, self.max_rank, weights)
+        return LoRAAdapter(self.name, self.path, self.max_rank, weights, dict(self.scales))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -189,10 +205,8 @@ def _check_tensor(name: str, module: str, which: str, t: torch.Tensor) -> torch.
 def _module_weights(
     name: str, module: str, parts: dict[str, torch.Tensor], dims: tuple[int, int],
     config: PeftLoRAConfig, max_lora_rank: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [r, in], B_scaled [out, r]) for one module, after every check: A in the file's dtype, B scaled in
-    float32 (in the file's dtype where the scale is 1: every cast to the model's dtype then rounds once, when
-    the adapter is packed, as an upcast to float32 first would)."""
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(A [r, in], B [out, r], B's scale) for one module, after every check; A and B in the file's dtype."""
     for part, other in (("A", "B"), ("B", "A")):
         if part not in parts:
             raise LoRAAdapterError(name, f"has lora_{other} but no lora_{part} weight", module)
@@ -216,8 +230,7 @@ def _module_weights(
         )
     if rank > max_lora_rank:
         raise LoRAAdapterError(name, f"rank {rank} exceeds max_lora_rank {max_lora_rank}", module)
-    scaling = config.scaling_for(module)
-    return a.contiguous(), (b if scaling == 1 else b.to(torch.float32) * scaling).contiguous()
+    return a.contiguous(), b.contiguous(), config.scaling_for(module)
 
 
 # What a GGUF file or repo adds to a model's name: `Qwen2.5-7B-Instruct-Q4_K_M.gguf`, `...-GGUF`, `....f16`.
@@ -250,15 +263,17 @@ def load_lora_adapter(name: str, path: str, spec: LoRAModelSpec, max_lora_rank: 
     _warn_base_mismatch(name, config, spec)
     grouped = _group_by_module(name, _read_tensors(name, path))
     located = _locate(name, list(grouped), spec)
-    weights = {}
+    weights, scales = {}, {}
     for module, (layer, short) in sorted(located.items(), key=lambda item: item[1]):
         if not config.targets(module):
             raise LoRAAdapterError(
                 name, "has weights but adapter_config.json (target_modules/layers_to_transform) does not target it",
                 module,
             )
-        a, b = _module_weights(name, module, grouped[module], spec.modules[short], config, max_lora_rank)
+        a, b, scale = _module_weights(name, module, grouped[module], spec.modules[short], config, max_lora_rank)
         for slice_name, slice_a, slice_b in spec.split(short, a, b):
             weights[(layer, slice_name)] = (slice_a, slice_b.contiguous())
+            if scale != 1:
+                scales[(layer, slice_name)] = scale
     max_rank = max(a.shape[0] for a, _ in weights.values())
-    return LoRAAdapter(name=name, path=path, max_rank=max_rank, weights=weights)
+    return LoRAAdapter(name=name, path=path, max_rank=max_rank, weights=weights, scales=scales)

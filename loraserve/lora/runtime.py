@@ -39,7 +39,7 @@ from loraserve.lora.adapter import LoRAAdapter
 from loraserve.lora.host_arena import HostArena
 from loraserve.lora.layers import FACTORED_LAYERS, GEMM_FIRST_LAYERS, LoRALinear
 from loraserve.lora.metadata import LoRAMetaBuilder
-from loraserve.lora.pool import AdapterPacker, AdapterPool, PackedAdapter, PageLayout
+from loraserve.lora.pool import AdapterPacker, AdapterPool, PackedAdapter, PageLayout, SliceWeights
 from loraserve.lora.side_stream import SIDE_STREAM_MAX_TOKENS, LoRAScratch, LoRASideStream
 from loraserve.models.lora_spec import LoRAModelSpec
 
@@ -114,9 +114,11 @@ class TensorParallelPacker:
         """This rank's part alone (an adapter every rank packs for itself: the graph check's probes)."""
         return self.packer.pack_layers(self._rank_weights(adapter, self.tp.rank))
 
-    def _rank_weights(self, adapter: LoRAAdapter, rank: int) -> list[list[tuple[torch.Tensor, torch.Tensor] | None]]:
-        """Per LoRA layer, per slice: rank `rank`'s part of the adapter's (A, B), or None where it has none."""
-        return [[None if pair is None else layer.base.lora_shard(*pair, s, rank) for s, pair in enumerate(slices)]
+    def _rank_weights(self, adapter: LoRAAdapter, rank: int) -> list[list[SliceWeights | None]]:
+        """Per LoRA layer, per slice: rank `rank`'s part of the adapter's (A, B) and B's scale, or None where it
+        has none."""
+        return [[None if w is None else (*layer.base.lora_shard(w[0], w[1], s, rank), w[2])
+                 for s, w in enumerate(slices)]
                 for (_, layer), slices in zip(self.layers, self.packer.layer_weights(adapter))]
 
 

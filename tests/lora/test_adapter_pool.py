@@ -16,7 +16,7 @@ from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import gather_a, gather_b
 from loraserve.lora.manager import IN_MEMORY, LoRAManager
 import loraserve.lora.manager as manager_module
-from loraserve.lora.pool import PageLayout
+from loraserve.lora.pool import AdapterPacker, PageLayout
 from loraserve.lora.runtime import POOL_STEPS, KVRoom, LoRARuntime
 from loraserve.lora.synthetic import ALL_TARGETS, random_adapter
 from loraserve.models.loader import open_model
@@ -70,6 +70,25 @@ def test_packed_adapters_read_back_from_their_pages():
                     assert not a[s].any() and not b[:, lo:hi].any()
                 else:
                     assert torch.equal(a[s], want[0]) and torch.equal(b[:, lo:hi], want[1].T)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_b_is_scaled_as_it_is_packed_rounded_once_like_an_upcast_b(model_dtype, file_dtype):
+    """An adapter read with B and its scale kept apart packs to the same bytes as the adapter whose B was
+    scaled in float32 first (B upcast, times the scale, rounded once to the model's dtype when packed), for
+    every file and model dtype, scales that are not powers of two included."""
+    spec = tiny_runtime().spec
+    layout = tiny_runtime().pool.layout
+    raw = random_adapter(spec, "raw", 12, ALL_TARGETS, seed=3, std=3.0).to(dtype=file_dtype)
+    scales = {key: (2.0, 1 / 3, 0.70710678, 4.0, 1.0)[i % 5] for i, key in enumerate(raw.weights)}
+    scaled = replace(raw, scales={k: v for k, v in scales.items() if v != 1.0})
+    upcast = replace(raw, weights={k: (a, b.to(torch.float32) * scales[k] if scales[k] != 1.0 else b)
+                                   for k, (a, b) in raw.weights.items()})
+    packer = AdapterPacker(layout, tiny_runtime().packer.layers, model_dtype)
+    got, want = packer.pack(scaled).data, packer.pack(upcast).data
+    assert got.dtype == model_dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(got, packer.pack(raw).data)  # the scales changed the packed B
 
 
 def test_mixed_ranks_take_pages_for_their_own_ranks():
