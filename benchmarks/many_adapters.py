@@ -484,12 +484,12 @@ def print_results(runs: dict[str, dict], args, device) -> None:
           f"{args.prompt_len[1]}, outputs {args.output_len[0]}-{args.output_len[1]} tokens "
           "(ach/floor = run floor / wall time; TTFT and ITL in ms; hot/cold: TTFT p99 per popularity class):")
     headers = ["run", "adapters", "tok/s", "vs base", "steps", "vs base", "dec batch", "vs base", "adapt/step",
-               "ach/floor", "vs base", "H2D MB", "loads", "evict", "pool MB", "TTFT p50", "p99", "hot p99",
+               "ach/floor", "vs base", "H2D GiB", "loads", "evict", "pool GiB", "TTFT p50", "p99", "hot p99",
                "cold p99", "ITL p50", "p99", "done"]
     rows = [[name, r["num_adapters"], r["output_tok_s"], r["vs_base_tok_s"], r["engine_steps"], r["vs_base_steps"],
              r["mean_decode_batch"], r["vs_base_decode_batch"], r["mean_distinct_adapters"], r["achieved_vs_floor"],
-             r["vs_base_floor"], r["h2d_adapter_bytes"] / 2**20, r["gpu_loads"], r["gpu_evictions"],
-             f"{r['pool_bytes_used_peak'] / 2**20:.3g}/{r['pool_bytes_total'] / 2**20:.3g}",
+             r["vs_base_floor"], f"{r['h2d_adapter_bytes'] / 2**30:.2f}", r["gpu_loads"], r["gpu_evictions"],
+             f"{r['pool_bytes_used_peak'] / 2**30:.1f}/{r['pool_bytes_total'] / 2**30:.1f}",
              ms(r["ttft_s"]["all"], "p50"), ms(r["ttft_s"]["all"], "p99"), ms(r["ttft_s"].get("hot"), "p99"),
              ms(r["ttft_s"].get("cold"), "p99"), ms(r["itl_s"], "p50"), ms(r["itl_s"], "p99"),
              f"{r['finished']}/{r['requests']}"] for name, r in runs.items()]
