@@ -40,7 +40,6 @@ from bench_common import fill_kv_random, start_decode_batch  # noqa: E402
 from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.layers import LoRALinear  # noqa: E402
-from loraserve.lora.side_stream import BoundLoRADelta, expand_grid, shrink_grid  # noqa: E402
 from loraserve.lora.synthetic import random_adapter  # noqa: E402
 
 VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork", "inline")
@@ -49,18 +48,17 @@ KINDS = (("shrink", ("shrink",)), ("expand", ("expand",)),
          ("gemm", ("gemm", "cutlass", "sm90", "xmma", "cublas")))
 
 
-def without_kernels(leave_out: tuple[str, ...]):
-    """BoundLoRADelta.__call__ launching only the kernels not in leave_out ("shrink", "expand")."""
-    def call(self, x, stream=None):
-        t = x.shape[0]
-        delta = self.scratch.delta_view(t, self.n_out)
-        if "shrink" not in leave_out:
-            self.shrink(shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras), x, t, x.stride(0), x.stride(1),
-                        stream=stream)
-        if "expand" not in leave_out:
-            self.expand(expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True), t, stream=stream)
-        return delta
-    return mock.patch.object(BoundLoRADelta, "__call__", call)
+# variant -> the LoRA kernels it leaves out of each layer's bound pair (BoundLoRADelta.shrink / .expand)
+LEFT_OUT = {"fork-join": ("shrink", "expand"), "no-shrink": ("shrink",), "no-expand": ("expand",)}
+
+
+def leave_out(model: torch.nn.Module, kernels: tuple[str, ...]) -> None:
+    """Make the LoRA layers' bound launches named in `kernels` launch nothing (until the layers bind again)."""
+    for layer in model.modules():
+        if isinstance(layer, LoRALinear):
+            for bound in layer._bound.values():
+                for kernel in kernels:
+                    setattr(bound, kernel, lambda *args, **kwargs: None)
 
 
 class _OnStream:
@@ -115,10 +113,8 @@ def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
         return in_order(name[len("inline-"):] or None)
     if name == "base":
         return mock.patch.object(LoRALinear, "forward", lambda self, x, ctx=None: self.base(x))
-    if name == "fork-join":
-        return without_kernels(("shrink", "expand"))
-    if name in ("no-shrink", "no-expand"):
-        return without_kernels((name[3:],))
+    if name in LEFT_OUT:
+        return contextlib.nullcontext()  # leave_out after the launches are bound
     return with_edges(model, side_stream, fork=name != "no-fork", join=name != "no-join")
 
 
@@ -182,6 +178,7 @@ def main() -> None:
             with variant(name, model, side_stream), torch.inference_mode():
                 runner._forward(bucket)  # binds the launches outside the capture
                 torch.cuda.synchronize()
+                leave_out(model, LEFT_OUT.get(name, ()))
                 graph, _ = runner.capture_bucket(bucket)
             replays = []
             for _ in range(args.reps):

@@ -160,13 +160,14 @@ class AdapterPlan:
 SliceWeights = tuple[torch.Tensor, torch.Tensor, float]
 
 
-def _write_scaled(dest: torch.Tensor, b: torch.Tensor, scale: float) -> None:
-    """dest = b * scale, each product in float32 and rounded once to dest's dtype, as it is written (b upcast
-    first unless it is float32)."""
-    if scale == 1:
-        dest.copy_(b)
-    else:
-        torch.mul(b if b.dtype == torch.float32 else b.to(torch.float32), scale, out=dest)
+def _scaled(b: torch.Tensor, scale: float, buffer: torch.Tensor) -> torch.Tensor:
+    """b * scale in `buffer`'s dtype (the model's; at least b.numel() elements, reused from one B to the next),
+    in b's own memory order: each product taken in float32 (b upcast first unless it is float32 or that dtype,
+    whose products torch takes in float32) and rounded once. The packer then copies it like an unscaled B:
+    written straight into the pages' strided rows, the products took 2.4x the plain copy's time, this way 1.4x
+    (docs/experiments.md, "Scaling B while it is packed")."""
+    source = b if b.dtype in (buffer.dtype, torch.float32) else b.to(torch.float32)
+    return torch.mul(source, scale, out=buffer[:b.numel()].view(b.shape))
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,7 @@ class AdapterPacker:
             data = torch.zeros(plan.shape, dtype=self.dtype)  # [pages, width]
         elif tuple(data.shape) != plan.shape or data.dtype != self.dtype:
             raise ValueError(f"packing needs a {plan.shape} {self.dtype} buffer, got {tuple(data.shape)} {data.dtype}")
-        scratch = torch.empty(0, dtype=self.dtype)  # B's products in the model's dtype, reused for each B
+        products = torch.empty(0, dtype=self.dtype)  # B's scaled copies, one buffer reused for each B
         for i in plan.targeted:
             r = self.layout.regions[i]
             first = plan.row_blocks.index(self.layout.block_of[i])  # the block's first row
@@ -230,23 +231,20 @@ class AdapterPacker:
                 if pair is None:
                     continue
                 a, b, scale = pair  # a: [rank, in], b: [out_s, rank]
-                if scale != 1 and b.dtype == self.dtype:
-                    # B's products in its own memory order first (torch takes them in float32 and rounds once),
-                    # then the plain copy: written straight into the pages' strided rows they took 2.4x the
-                    # plain copy's time, this way 1.4x (docs/experiments.md, "Scaling B while it is packed")
-                    if scratch.numel() < b.numel():
-                        scratch = torch.empty(b.numel(), dtype=self.dtype)
-                    b, scale = torch.mul(b, scale, out=scratch[:b.numel()].view(b.shape)), 1
+                if scale != 1:
+                    if products.numel() < b.numel():
+                        products = torch.empty(b.numel(), dtype=self.dtype)
+                    b = _scaled(b, scale, products)
                 lo, hi = r.slice_offsets[s], r.slice_offsets[s + 1]
                 full = a.shape[0] // PAGE_RANK  # whole pages in one copy each for A and B, then the rest
                 if full:
                     n = full * PAGE_RANK
                     a_pages[:full, s] = a[:n].reshape(full, PAGE_RANK, -1)
-                    _write_scaled(b_pages[:full, :, lo:hi], b[:, :n].T.reshape(full, PAGE_RANK, -1), scale)
+                    b_pages[:full, :, lo:hi] = b[:, :n].T.reshape(full, PAGE_RANK, -1)
                 rest = a.shape[0] - full * PAGE_RANK
                 if rest:
                     a_pages[full, s, :rest] = a[full * PAGE_RANK:]
-                    _write_scaled(b_pages[full, :rest, lo:hi], b[:, full * PAGE_RANK:].T, scale)
+                    b_pages[full, :rest, lo:hi] = b[:, full * PAGE_RANK:].T
         return PackedAdapter(data, plan.row_blocks, plan.ranks)
 
 
