@@ -282,7 +282,7 @@ class LoRAManager:
                 continue
             packed = self._cpu.get(name)
             if packed is None:
-                if name in self._reading or in_flight >= self._read_depth:
+                if name in self._reading:
                     continue
                 nbytes = self._read_bytes(self._entry(name).pages)
                 if self._may_start_read(nbytes, in_flight, awaited, first=name == names[0]):
