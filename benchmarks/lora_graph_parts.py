@@ -13,6 +13,9 @@ only, and the engine is not used to serve afterwards.
 - no-shrink / no-expand: one of the two kernels left out;
 - no-join: the side stream is joined back only after the model's last LoRA layer;
 - no-fork: the side stream waits for the main one only before the first LoRA layer;
+- no-edges: both: one fork before the first LoRA layer and one join after the last;
+- edges-only: the forks and joins alone (no kernels, and the next op reads no delta);
+- delta-only: the next op reads a delta from the scratch, with no fork, join or kernel;
 - inline, inline-MODULE: every LoRA layer, or those holding PEFT module MODULE (e.g. inline-o_proj), add
   their products in order on the main stream, in place (the path of steps larger than the side stream takes;
   right outputs).
@@ -41,8 +44,10 @@ from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.layers import LoRALinear  # noqa: E402
 from loraserve.lora.synthetic import random_adapter  # noqa: E402
+from loraserve.models.linear import LinearOutput  # noqa: E402
 
-VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork", "inline")
+VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork", "no-edges", "edges-only",
+            "delta-only", "inline")
 KINDS = (("shrink", ("shrink",)), ("expand", ("expand",)),
          ("attention", ("decode_kernel", "reduce_kernel", "attn")),
          ("gemm", ("gemm", "cutlass", "sm90", "xmma", "cublas")))
@@ -115,7 +120,22 @@ def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
         return mock.patch.object(LoRALinear, "forward", lambda self, x, ctx=None: self.base(x))
     if name in LEFT_OUT:
         return contextlib.nullcontext()  # leave_out after the launches are bound
-    return with_edges(model, side_stream, fork=name != "no-fork", join=name != "no-join")
+    if name == "edges-only":  # the side stream waits for the fork and launches nothing: no delta
+        return mock.patch.object(LoRALinear, "_launch_on_side",
+                                 lambda self, x, meta, side: side.stream.wait_event(self._fork))
+    if name == "delta-only":
+        return mock.patch.object(LoRALinear, "forward", _base_with_scratch_delta)
+    return with_edges(model, side_stream, fork=name not in ("no-fork", "no-edges"),
+                      join=name not in ("no-join", "no-edges"))
+
+
+def _base_with_scratch_delta(self, x, ctx=None):
+    """LoRALinear.forward as its base layer, returning the side stream's scratch as its delta [T, N]."""
+    side = ctx.lora.side if ctx is not None and ctx.lora is not None else None
+    y = self.base(x).y
+    if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
+        return LinearOutput(y, None)
+    return LinearOutput(y, side.scratch.delta_view(x.shape[0], self.out_features))
 
 
 def kernel_split(graph: torch.cuda.CUDAGraph, replays: int = 5) -> dict[str, float]:

@@ -6,7 +6,12 @@ sends (`ModelRunner.follow`) until it is told to stop (None), its command pipe
 closes, or rank 0's process goes away (then it exits at once, wherever it is:
 a collective waiting for rank 0 would never end). Ctrl-C is rank 0's to
 handle; SIGTERM ends the process. An error is reported to rank 0 before the
-process exits non-zero.
+process exits non-zero. The process ends without the interpreter's finalization
+(os._exit, after flushing its output) and without leaving its group first: at
+the end a collective backend has nothing left to do but release what the
+process's end releases anyway, and NCCL's abort (the only way out of a group
+that never waits) returned only seconds later, by then inside the
+interpreter's finalization, which ended the process with SIGABRT.
 """
 from __future__ import annotations
 
@@ -15,6 +20,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import sys
 import threading
 import traceback
 from dataclasses import replace
@@ -35,7 +41,7 @@ def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, 
     if log_level is not None:
         logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s")
     _exit_with_parent()
-    tp = None
+    status = 0
     try:
         device = config.parallel.device_of(config.model.device, rank)
         if device.type == "cuda":
@@ -55,14 +61,17 @@ def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, 
                 break
             runner.follow(step)
     except BaseException:
+        status = 1
+        traceback.print_exc()
         try:
             events.send(traceback.format_exc())
         except OSError:
             pass
-        raise
     finally:
-        if tp is not None:
-            tp.close()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
 
 
 def _exit_with_parent() -> None:
