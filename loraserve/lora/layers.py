@@ -22,12 +22,8 @@ output in place, in order. All give the same numbers (the factored product up
 to the order of its sums: the rounding of the product can differ by one step).
 
 With tensor parallelism the pool holds this rank's part of each adapter (split
-as the base layer's weight: `LinearBase.lora_shard`). Over a row-parallel base
-layer each rank's product (its columns of A, the whole B) is summed over the
-ranks together with the base layer's partial outputs, in its one coalesced
-all-reduce: the sum is the product of the whole input, passed on as a delta
-like one GPU's, and LoRA adds no collective (beside the GEMM the product joins
-back before the all-reduce instead of before the next op).
+as the base layer's weight: `LinearBase.lora_shard`); over a row-parallel base
+layer the shrink's partial sums are all-reduced before the expand (`reduce`).
 """
 from __future__ import annotations
 
@@ -60,6 +56,8 @@ class LoRALinear(nn.Module):
         self.slice_names = slice_names
         self.gemm_first = gemm_first  # beside the GEMM: issue the GEMM before the LoRA kernels (GEMM_FIRST_LAYERS)
         self.factored = factored  # larger CUDA steps: return the product as factors (FACTORED_LAYERS)
+        # tensor parallel, row-parallel base: the all-reduce of the shrink's partial sums before the expand
+        self.reduce = base.lora_reduce
         self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
         if len(self.slice_offsets) != len(slice_names) + 1:
             raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
@@ -100,50 +98,32 @@ class LoRALinear(nn.Module):
         if lora is None or (lora.active is not None and not lora.active[self.page_block]):
             return self.base(x)  # no LoRA, or no adapter of the step has weights in this layer's page block
         side, meta = lora.side, lora.metas[self.page_block]
-        beside = side is not None and 0 < x.shape[0] <= side.scratch.max_tokens
-        if self.base.sums_partials:
-            return self._forward_summed(x, meta, side if beside else None)
-        if beside:
-            return LinearOutput(*self._forward_beside(x, meta, side, lambda x: self.base(x).y))
-        y = self.base(x).y
-        if self.factored and x.is_cuda:
-            return LinearOutput(y, lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets))
-        self._add_in_order(x, y, meta)
-        return LinearOutput(y, None)
+        if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
+            y = self.base(x).y
+            if self.factored and x.is_cuda:
+                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
+                if self.reduce is not None:
+                    self.reduce(factors.inter)
+                return LinearOutput(y, factors)
+            apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
+            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets, self.reduce)
+            return LinearOutput(y, None)
+        return self._forward_beside(x, meta, side)
 
-    def _add_in_order(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMeta) -> None:
-        # y: [T, N] += the LoRA product of x: [T, in], in place, on the current stream
-        apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
-        apply(x, y, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
-
-    def _forward_summed(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream | None) -> LinearOutput:
-        # x: [T, in / tp] -> y: [T, N] and the LoRA delta [T, N]: this rank's parts, summed over the ranks together
-        if side is None:
-            y = self.base.partial_sum(x)  # [T, N]
-            delta = torch.zeros_like(y)
-            self._add_in_order(x, delta, meta)
-        else:
-            y, delta = self._forward_beside(x, meta, side, self.base.partial_sum)  # delta: float32
-            delta = delta.to(y.dtype)  # one dtype for the coalesced all-reduce (a no-op while the side stream's
-            # steps are no larger than those whose partial outputs are float32)
-        return self.base.sum_partials(y, delta, x.dtype)
-
-    def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream,
-                        gemm) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, in] -> (gemm(x): [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next
-        # layer's), the two streams joined
+    def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> LinearOutput:
+        # x: [T, in] -> y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         self._fork.record(side.main)  # x, the metadata and the adapter weights are ready
         if self.gemm_first:
-            y = gemm(x)
+            y = self.base(x).y
             delta = self._launch_on_side(x, meta, side)
         else:
             delta = self._launch_on_side(x, meta, side)
-            y = gemm(x)
+            y = self.base(x).y
         self._join.record(side.stream)
         side.main.wait_event(self._join)
-        return y, delta
+        return LinearOutput(y, delta)
 
     def _launch_on_side(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> torch.Tensor:
         """The LoRA product of x on the side stream, after the fork; returns the delta."""
@@ -163,7 +143,7 @@ class LoRALinear(nn.Module):
         bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
         if bound is None:  # a new kernel shape (or new buffers): launched and bound by the kernels' wrappers
             delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets,
-                                      fp32=self.base.sums_partials)
+                                      self.reduce)
         else:
             delta = bound(x)
         self._bound[x.shape[0]] = bound

@@ -203,10 +203,8 @@ class LoRARuntime:
         """Static scratch for the side-stream products of every layer, steps of up to max_tokens tokens."""
         layers = [layer for _, layer in self.layers]
         splits = max(shrink_splits(t, layer.in_features, layer.lora_rows) for layer in layers for t in (1, max_tokens))
-        summed_out = max((layer.out_features for layer in layers if layer.base.sums_partials), default=0)
         return LoRAScratch.allocate(max_tokens, max(layer.out_features for layer in layers),
-                                    max(layer.lora_rows for layer in layers), splits, self.dtype, self.device,
-                                    summed_out)
+                                    max(layer.lora_rows for layer in layers), splits, self.dtype, self.device)
 
     # -- a forward pass -------------------------------------------------------------------
     def write_metadata(self, token_adapters: np.ndarray) -> tuple[LoRAMeta, ...]:

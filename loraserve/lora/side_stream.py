@@ -9,7 +9,9 @@ binds its two launches (shrink, expand) once per kernel shape
 (BoundLoRADelta), so a later step, and a graph capture, costs two plain
 launches per layer: no allocation, no argument binding.
 """
+import contextlib
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -37,20 +39,16 @@ class LoRAScratch:
     delta: torch.Tensor  # [Tmax * N max] model dtype
     inter: torch.Tensor  # [Tmax * S*R max] float32: the shrink's output
     partials: torch.Tensor  # [P max * Tmax * S*R max] float32: the shrink's split-K partial sums
-    # [Tmax * N max of the summed layers] float32: deltas summed over ranks before their one rounding
-    # (row-parallel layers of several ranks; empty otherwise)
-    delta32: torch.Tensor
 
     @classmethod
     def allocate(cls, max_tokens: int, max_out: int, max_sr: int, max_splits: int, dtype: torch.dtype,
-                 device, max_summed_out: int = 0) -> "LoRAScratch":
+                 device) -> "LoRAScratch":
         return cls(max_tokens, torch.empty(max_tokens * max_out, dtype=dtype, device=device),
                    torch.empty(max_tokens * max_sr, dtype=torch.float32, device=device),
-                   torch.empty(max_splits * max_tokens * max_sr, dtype=torch.float32, device=device),
-                   torch.empty(max_tokens * max_summed_out, dtype=torch.float32, device=device))
+                   torch.empty(max_splits * max_tokens * max_sr, dtype=torch.float32, device=device))
 
-    def delta_view(self, num_tokens: int, n_out: int, fp32: bool = False) -> torch.Tensor:  # [T, N]
-        return (self.delta32 if fp32 else self.delta)[:num_tokens * n_out].view(num_tokens, n_out)
+    def delta_view(self, num_tokens: int, n_out: int) -> torch.Tensor:  # [T, N]
+        return self.delta[:num_tokens * n_out].view(num_tokens, n_out)
 
     def inter_view(self, num_tokens: int, sr: int) -> torch.Tensor:  # [T, S*R]
         return self.inter[:num_tokens * sr].view(num_tokens, sr)
@@ -70,9 +68,9 @@ class BoundLoRADelta:
 
     def __init__(self, shrink: BoundLaunch, expand: BoundLaunch, shrink_cfg: ShrinkConfig,
                  expand_cfg: ExpandConfig, meta: LoRAMeta, scratch: LoRAScratch, sr: int, n_out: int,
-                 num_loras: int, fp32: bool):
+                 num_loras: int, reduce: Callable[[torch.Tensor], object] | None = None):
         self.shrink, self.expand = shrink, expand
-        self.fp32 = fp32  # the delta is float32 (LoRAScratch.delta32)
+        self.reduce = reduce  # runs on the shrink's output between the two launches (lora_delta)
         self.shrink_cfg, self.expand_cfg = shrink_cfg, expand_cfg
         self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
         self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
@@ -96,21 +94,25 @@ class BoundLoRADelta:
         if step is None:
             step = self._steps[t] = (shrink_grid(self.shrink_cfg, t, self.sr, self.num_loras),
                                      expand_grid(self.expand_cfg, t, self.n_out, self.num_loras, True),
-                                     self.scratch.delta_view(t, self.n_out, self.fp32))
+                                     self.scratch.delta_view(t, self.n_out))
         shrink_grid_t, expand_grid_t, delta = step
         self.shrink(shrink_grid_t, x, t, x.stride(0), x.stride(1), stream=stream)
+        if self.reduce is not None:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.reduce(self.scratch.inter_view(t, self.sr))
         self.expand(expand_grid_t, t, stream=stream)
         return delta
 
 
 def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...], fp32: bool = False
-               ) -> tuple[torch.Tensor, BoundLoRADelta]:
+               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+               reduce: Callable[[torch.Tensor], object] | None = None) -> tuple[torch.Tensor, BoundLoRADelta]:
     """delta: [T, N] = LoRA(x: [T, in]) in scratch (zeros for tokens without an adapter), launched now
     on the current stream (CUDA), and a BoundLoRADelta that launches the same for another x.
 
-    0 < T <= scratch.max_tokens. The delta is a view of the scratch: valid until the next call with it;
-    in float32 with `fp32` (LoRAScratch.delta32), in lora_b's dtype otherwise.
+    0 < T <= scratch.max_tokens. The delta is a view of the scratch: valid until the next call with it.
+    `reduce`, when given, runs in place on the shrink's output [T, S*R] before the expand (tensor parallel:
+    the all-reduce of a row-parallel layer's partial sums; the expand then waits for it in full).
     """
     num_tokens, hidden = x.shape
     num_loras = meta.num_loras  # the grids of lora_shrink and lora_expand: the bound launches take the same split
@@ -119,13 +121,15 @@ def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora
     if not 0 < num_tokens <= scratch.max_tokens:
         raise ValueError(f"{num_tokens} tokens: the LoRA scratch holds 1..{scratch.max_tokens}")
     shrink_cfg, expand_cfg = shrink_config(num_tokens, hidden, sr), expand_config(num_tokens)
-    delta, inter = scratch.delta_view(num_tokens, n_out, fp32), scratch.inter_view(num_tokens, sr)
+    delta, inter = scratch.delta_view(num_tokens, n_out), scratch.inter_view(num_tokens, sr)
     partials = scratch.partials_view(shrink_cfg.split_k, num_tokens, sr)
     shrink = lora_shrink(x, lora_a, lora_rank, meta, len(slice_offsets) - 1, inter, partials=partials, bind=True)
-    expand = lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, delta, overwrite=True, after_shrink=True,
-                         bind=True)
+    if reduce is not None:
+        reduce(inter)
+    expand = lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, delta, overwrite=True,
+                         after_shrink=reduce is None, bind=True)
     return delta, BoundLoRADelta(shrink, expand, shrink_cfg, expand_cfg, meta, scratch, sr, n_out, num_loras,
-                                 fp32)
+                                 reduce)
 
 
 @dataclass

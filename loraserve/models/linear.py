@@ -11,10 +11,8 @@ checkpoint tensors as consecutive output ranges (slices), `shard` being the
 slice's index, or one checkpoint tensor holding them all (`shard` None: Phi-3's
 qkv_proj and gate_up_proj). The same rule splits a LoRA adapter's factors (`lora_shard`):
 for a column layer A is whole and B split by output, for a row layer A split by
-input and B whole. A row layer's LoRA product then is the sum over ranks of each
-rank's product of its part of the input: the LoRA wrapper sums it with the
-rank's partial output in the layer's one (coalesced) all-reduce (`partial_sum`,
-`sum_partials`), so LoRA adds no collective.
+input and B whole (the shrink's partial sums are all-reduced before the expand,
+`lora_reduce`).
 
 `forward(x, ctx=None)` returns a LinearOutput: base layers ignore the forward
 context and return no delta; the LoRA wrapper (loraserve.lora.layers.LoRALinear)
@@ -72,10 +70,10 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     @property
-    def sums_partials(self) -> bool:
-        """Whether the output is a sum over the ranks' partial outputs (a row-parallel layer of several ranks:
-        `partial_sum`, then `sum_partials`)."""
-        return False
+    def lora_reduce(self):
+        """The all-reduce of a LoRA shrink's partial sums before its expand (row-parallel layers of several
+        ranks), or None."""
+        return None
 
     @property
     def checkpoint_shapes(self) -> list[tuple[int, int]]:
@@ -219,8 +217,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(_split(in_features, tp.size, "in_features"), out_features, bias, tp)
 
     @property
-    def sums_partials(self) -> bool:
-        return self.tp.is_parallel
+    def lora_reduce(self):
+        return self.tp.all_reduce if self.tp.is_parallel else None
 
     @property
     def checkpoint_shapes(self):
@@ -243,28 +241,13 @@ class RowParallelLinear(LinearBase):
         # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum)
         if not self.tp.is_parallel:
             return LinearOutput(F.linear(x, self.weight, self.bias), None)
-        return self.sum_partials(self.partial_sum(x), None, x.dtype)
-
-    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the output before the sum over ranks: x: [T, in / tp] -> [T, out], in float32
-        in steps of up to FP32_REDUCE_MAX_TOKENS tokens (x's dtype above)."""
         in_fp32 = x.dtype != torch.float32 and x.shape[0] <= FP32_REDUCE_MAX_TOKENS
-        return fp32_product(x, self.weight) if in_fp32 else F.linear(x, self.weight)
-
-    def sum_partials(self, y: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype) -> LinearOutput:
-        """The layer's output from every rank's partial_sum y: [T, out] and, with LoRA, every rank's part of
-        the LoRA delta [T, out] (its product of its part of the input): both summed in place by one coalesced
-        all-reduce; each rounded once to `dtype`, the bias added to y, and the delta passed on for the next op
-        to add: round(y + round(delta)), as one GPU's layer adds its product."""
-        if delta is None:
-            self.tp.all_reduce(y)
-        else:
-            self.tp.all_reduce_many([y, delta])
-            delta = delta.to(dtype)
-        y = y.to(dtype)
+        y = fp32_product(x, self.weight) if in_fp32 else F.linear(x, self.weight)  # [T, out]
+        self.tp.all_reduce(y)
+        y = y.to(x.dtype)  # the one rounding of an fp32 sum (a no-op otherwise)
         if self.bias is not None:
             y = y + self.bias
-        return LinearOutput(y, delta)
+        return LinearOutput(y, None)
 
 
 def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
