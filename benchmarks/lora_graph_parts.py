@@ -14,11 +14,14 @@ only, and the engine is not used to serve afterwards.
 - no-join: the side stream is joined back only after the model's last LoRA layer;
 - no-fork: the side stream waits for the main one only before the first LoRA layer;
 - no-edges: both: one fork before the first LoRA layer and one join after the last;
-- edges-only: the forks and joins alone (no kernels, and the next op reads no delta);
+- edges-only: the forks and joins alone (no kernels, and the next op reads no delta); forks-only and
+  joins-only: the same with one join after the last LoRA layer, or one fork before the first;
 - delta-only: the next op reads a delta from the scratch, with no fork, join or kernel;
 - inline, inline-MODULE: every LoRA layer, or those holding PEFT module MODULE (e.g. inline-o_proj), add
   their products in order on the main stream, in place (the path of steps larger than the side stream takes;
-  right outputs).
+  right outputs);
+- any of them with -no-pdl (e.g. base-no-pdl): every kernel launched without programmatic dependent launch
+  (the fused ops after the GEMMs then wait for the GEMM's end before they start).
 
     python benchmarks/lora_graph_parts.py --batch 32 --adapters 8 --lora-rank 16
     python benchmarks/lora_graph_parts.py --batch 256 --adapters 200 --lora-rank 8 \
@@ -47,12 +50,13 @@ from loraserve.lora.synthetic import random_adapter  # noqa: E402
 from loraserve.models.linear import LinearOutput  # noqa: E402
 
 VARIANTS = ("full", "base", "fork-join", "no-shrink", "no-expand", "no-join", "no-fork", "no-edges", "edges-only",
-            "delta-only", "inline")
+            "forks-only", "joins-only", "delta-only", "inline")
 KINDS = (("shrink", ("shrink",)), ("expand", ("expand",)),
          ("attention", ("decode_kernel", "reduce_kernel", "attn")),
          ("gemm", ("gemm", "cutlass", "sm90", "xmma", "cublas")))
 
 
+NO_PDL = "-no-pdl"
 # variant -> the LoRA kernels it leaves out of each layer's bound pair (BoundLoRADelta.shrink / .expand)
 LEFT_OUT = {"fork-join": ("shrink", "expand"), "no-shrink": ("shrink",), "no-expand": ("expand",)}
 
@@ -112,6 +116,11 @@ def in_order(module: str | None):
 
 def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
     """The context that makes the LoRA layers run as variant `name`."""
+    if name.endswith(NO_PDL):
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch("loraserve.kernels.launch.pdl_supported", lambda t: False))
+        stack.enter_context(variant(name[:-len(NO_PDL)], model, side_stream))
+        return stack
     if name == "full":
         return contextlib.nullcontext()
     if name == "inline" or name.startswith("inline-"):
@@ -120,9 +129,12 @@ def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
         return mock.patch.object(LoRALinear, "forward", lambda self, x, ctx=None: self.base(x))
     if name in LEFT_OUT:
         return contextlib.nullcontext()  # leave_out after the launches are bound
-    if name == "edges-only":  # the side stream waits for the fork and launches nothing: no delta
-        return mock.patch.object(LoRALinear, "_launch_on_side",
-                                 lambda self, x, meta, side: side.stream.wait_event(self._fork))
+    if name in ("edges-only", "forks-only", "joins-only"):  # the side stream waits for the fork, launches nothing
+        stack = contextlib.ExitStack()
+        stack.enter_context(mock.patch.object(LoRALinear, "_launch_on_side",
+                                              lambda self, x, meta, side: side.stream.wait_event(self._fork)))
+        stack.enter_context(with_edges(model, side_stream, fork=name != "joins-only", join=name != "forks-only"))
+        return stack
     if name == "delta-only":
         return mock.patch.object(LoRALinear, "forward", _base_with_scratch_delta)
     return with_edges(model, side_stream, fork=name not in ("no-fork", "no-edges"),
@@ -167,7 +179,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     names = args.variants.split(",")
-    unknown = [n for n in names if n not in VARIANTS and not n.startswith("inline-")]
+    unknown = [n for n in names if n.removesuffix(NO_PDL) not in VARIANTS and not n.startswith("inline-")]
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     if args.adapters < 1:
@@ -198,7 +210,7 @@ def main() -> None:
             with variant(name, model, side_stream), torch.inference_mode():
                 runner._forward(bucket)  # binds the launches outside the capture
                 torch.cuda.synchronize()
-                leave_out(model, LEFT_OUT.get(name, ()))
+                leave_out(model, LEFT_OUT.get(name.removesuffix(NO_PDL), ()))
                 graph, _ = runner.capture_bucket(bucket)
             replays = []
             for _ in range(args.reps):
