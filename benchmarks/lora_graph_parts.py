@@ -59,6 +59,11 @@ KINDS = (("shrink", ("shrink",)), ("expand", ("expand",)),
 NO_PDL = "-no-pdl"
 # variant -> the LoRA kernels it leaves out of each layer's bound pair (BoundLoRADelta.shrink / .expand)
 LEFT_OUT = {"fork-join": ("shrink", "expand"), "no-shrink": ("shrink",), "no-expand": ("expand",)}
+# variant -> (a fork per LoRA layer, a join per LoRA layer); the side stream otherwise forked once before the first
+# and joined once after the last
+EDGES = {"no-join": (True, False), "no-fork": (False, True), "no-edges": (False, False),
+         "edges-only": (True, True), "forks-only": (True, False), "joins-only": (False, True)}
+NO_KERNELS = ("edges-only", "forks-only", "joins-only")  # the side stream waits for each fork and launches nothing
 
 
 def leave_out(model: torch.nn.Module, kernels: tuple[str, ...]) -> None:
@@ -129,16 +134,15 @@ def variant(name: str, model: torch.nn.Module, side_stream: torch.cuda.Stream):
         return mock.patch.object(LoRALinear, "forward", lambda self, x, ctx=None: self.base(x))
     if name in LEFT_OUT:
         return contextlib.nullcontext()  # leave_out after the launches are bound
-    if name in ("edges-only", "forks-only", "joins-only"):  # the side stream waits for the fork, launches nothing
-        stack = contextlib.ExitStack()
-        stack.enter_context(mock.patch.object(LoRALinear, "_launch_on_side",
-                                              lambda self, x, meta, side: side.stream.wait_event(self._fork)))
-        stack.enter_context(with_edges(model, side_stream, fork=name != "joins-only", join=name != "forks-only"))
-        return stack
     if name == "delta-only":
         return mock.patch.object(LoRALinear, "forward", _base_with_scratch_delta)
-    return with_edges(model, side_stream, fork=name not in ("no-fork", "no-edges"),
-                      join=name not in ("no-join", "no-edges"))
+    stack = contextlib.ExitStack()
+    if name in NO_KERNELS:
+        stack.enter_context(mock.patch.object(LoRALinear, "_launch_on_side",
+                                              lambda self, x, meta, side: side.stream.wait_event(self._fork)))
+    fork, join = EDGES[name]
+    stack.enter_context(with_edges(model, side_stream, fork=fork, join=join))
+    return stack
 
 
 def _base_with_scratch_delta(self, x, ctx=None):

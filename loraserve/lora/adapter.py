@@ -63,12 +63,6 @@ class LoRAAdapter:
     def scale_of(self, key: tuple[int, str]) -> float:
         return self.scales.get(key, 1.0)
 
-    def scaled_b(self, key: tuple[int, str]) -> torch.Tensor:
-        """B * its scale (float32 where the scale is not 1): the factor the adapter's delta is x @ A.T @ B.T of."""
-        b = self.weights[key][1]
-        scale = self.scale_of(key)
-        return b if scale == 1 else b.to(torch.float32) * scale
-
     def nbytes(self) -> int:
         tensors = {id(t): t for pair in self.weights.values() for t in pair}  # a shared A once
         return sum(t.numel() * t.element_size() for t in tensors.values())

@@ -182,8 +182,8 @@ class AdapterPacker:
     def layer_weights(self, adapter: LoRAAdapter) -> list[list[SliceWeights | None]]:
         """Per LoRA layer (layout order), per slice: the adapter's (A [r, in], B [out_s, r], B's scale), or
         None."""
-        return [[(*adapter.weights[key], adapter.scale_of(key)) if key in adapter.weights else None
-                 for key in ((layer_index, m) for m in names)] for layer_index, names in self.layers]
+        return [[(*adapter.weights[(layer, m)], adapter.scale_of((layer, m))) if (layer, m) in adapter.weights
+                 else None for m in names] for layer, names in self.layers]
 
     def plan(self, weights: list[list[SliceWeights | None]]) -> AdapterPlan:
         """The page plan of `weights` (layer_weights' form): each targeted block takes cdiv(its largest rank,

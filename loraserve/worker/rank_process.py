@@ -62,9 +62,10 @@ def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, 
             runner.follow(step)
     except BaseException:
         status = 1
-        traceback.print_exc()
+        error = traceback.format_exc()
+        sys.stderr.write(error)
         try:
-            events.send(traceback.format_exc())
+            events.send(error)
         except OSError:
             pass
     finally:

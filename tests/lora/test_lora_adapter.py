@@ -91,7 +91,9 @@ def assert_matches_peft(adapter: LoRAAdapter, base_model, folder) -> None:
     assert adapter.max_rank == max(r for _, r in reference.values())
     gen = torch.Generator().manual_seed(2)
     for key, (module, rank) in reference.items():
-        a, b_scaled = adapter.weights[key][0], adapter.scaled_b(key)
+        a, b = adapter.weights[key]
+        scale = adapter.scale_of(key)
+        b_scaled = b if scale == 1 else b.to(torch.float32) * scale  # what the packer writes, before its rounding
         assert a.is_floating_point() and b_scaled.is_floating_point()
         a, b_scaled = a.float(), b_scaled.float()  # exact upcasts: the packer's cast to the model dtype rounds once
         assert a.shape == (rank, module.in_features) and b_scaled.shape == (module.out_features, rank)
