@@ -70,7 +70,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read yet
         self._lora_waits: dict[str, list[Sequence]] = {}  # adapter read in the background -> requests for it
-        self._stop_workers = weakref.finalize(self, workers.close) if workers is not None else None
+        self._stop_workers = (weakref.finalize(self, _stop_workers, self.runner, workers) if workers is not None
+                              else None)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -387,3 +388,13 @@ class LLMEngine:
                     prefix_cache_hits=sum(c.hits for c in counts.values()),
                     prefix_cache_adapters={name: dict(vars(c)) for name, c in counts.items()
                                            if name is None or name in registered})
+
+
+def _stop_workers(runner: ModelRunner, workers: TensorParallelWorkers) -> None:
+    """A tensor-parallel engine's end (shutdown, garbage collection or the interpreter's exit): its graphs
+    released, then its workers stopped and the group left (NCCL's abort would wait for the graphs). After a
+    worker died the graphs stay: rank 0's device may still wait in a collective, and destroying a graph then
+    blocks."""
+    if workers.failure is None:
+        runner.release_graphs()
+    workers.close()

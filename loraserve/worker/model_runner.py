@@ -168,6 +168,16 @@ class ModelRunner:
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * self._bytes_per_block() / 2**30)
 
+    def release_graphs(self) -> None:
+        """Drop every captured graph (decode and prefill) and its memory; later steps run eagerly. Rank 0 of a
+        tensor-parallel engine does this before leaving its group: NCCL's abort waits until no graph holds
+        the group's collectives any more."""
+        for graphs in (self.graph_runner, self.mixed_graphs):
+            if graphs is not None:
+                for bucket in list(graphs.graphs):
+                    graphs.drop(bucket)
+        self.graph_runner = self.mixed_graphs = None
+
     # -- start-up ---------------------------------------------------------------
     @torch.inference_mode()
     def warm_up_eager(self) -> None:

@@ -95,6 +95,11 @@ class TensorParallelWorkers(StepFollowers):
                 self.check()
                 raise WorkerDiedError("a tensor-parallel worker stopped taking steps") from exc
 
+    @property
+    def failure(self) -> str | None:
+        """What ended a dead worker (rank, pid, exit code, its traceback), or None while all live."""
+        return self._failure
+
     def check(self) -> None:
         """Raise WorkerDiedError if a worker died."""
         if self._failure is not None:

@@ -14,7 +14,7 @@ import torch
 
 from model_fixtures import CONFIDENT_STEPS, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
-from tp_driver import run_killed_worker
+from tp_driver import run_exit, run_killed_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -128,3 +128,9 @@ def test_killed_worker_on_gpus_stops_the_engine(tiny_model_factory):
     """SIGKILL to the worker of GPU 1 mid-generation: a WorkerDiedError naming it, no hang (the collectives
     rank 0 waits in are aborted), no process left."""
     run_killed_worker(tiny_model_factory("llama"), "cuda")
+
+
+def test_script_on_gpus_exits_with_its_own_status(tiny_model_factory):
+    """A script on two GPUs that leaves its engine (CUDA graphs holding NCCL collectives) to the interpreter's
+    exit ends with its own status at once: its graphs are released before its group is left."""
+    run_exit(tiny_model_factory("llama"), "cuda")

@@ -19,7 +19,7 @@ from loraserve import SamplingParams
 from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError
 from loraserve.errors import WorkerDiedError
 from server_harness import free_port, wait_healthy
-from tp_driver import DRIVER, REPO, alive, run_killed_worker, spawned_children, wait_gone
+from tp_driver import DRIVER, REPO, alive, run_exit, run_killed_worker, spawned_children, wait_gone
 
 DEADLINE = 180  # seconds the server may take to start before it counts as a hang
 
@@ -33,6 +33,11 @@ def test_killed_worker_stops_the_engine_with_a_clear_error(model):
     """SIGKILL to worker 1 mid-generation: generate raises WorkerDiedError naming the worker and its exit code
     at once, later calls raise too, the other processes are gone and the script exits."""
     run_killed_worker(model, "cpu")
+
+
+def test_script_exits_with_its_own_status(model):
+    """A script that leaves its engine to the interpreter's exit ends with its own status, its workers gone."""
+    run_exit(model, "cpu")
 
 
 def test_sigterm_to_the_engine_process_ends_its_workers(model):

@@ -21,6 +21,11 @@ if __name__ == "__main__":
     print("WORKERS", *pids, flush=True)
     if action == "wait":  # the test signals this process
         time.sleep(600)
+    if action == "exit":  # the engine left to the interpreter's exit
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}] * 4, SamplingParams(max_tokens=40, ignore_eos=True),
+                           use_tqdm=False)
+        print("GENERATED", sum(len(o.outputs[0].token_ids) for o in out), flush=True)
+        sys.exit(3)
     threading.Timer(1.0, lambda: os.kill(pids[0], signal.SIGKILL)).start()
     start = time.monotonic()
     try:
@@ -86,3 +91,15 @@ def run_killed_worker(model: str, device: str) -> None:
     assert float(seconds) < 60
     assert "AGAIN WorkerDiedError" in out
     wait_gone(pids)
+
+
+def run_exit(model: str, device: str) -> None:
+    """Run the script to its own exit without shutting the engine down: its exit status is the script's,
+    rank 0 leaves its group at once (no abort given up on) and no worker outlives it."""
+    proc = subprocess.run([sys.executable, "-c", DRIVER, model, device, "exit"], cwd=REPO, capture_output=True,
+                          text=True, timeout=DEADLINE)
+    out = proc.stdout
+    assert proc.returncode == 3, out + proc.stderr
+    assert "GENERATED 160" in out
+    assert "left behind" not in proc.stderr, proc.stderr
+    wait_gone([int(p) for p in next(line for line in out.splitlines() if line.startswith("WORKERS")).split()[1:]])
