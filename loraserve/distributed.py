@@ -73,13 +73,6 @@ class ParallelGroup:
             self._backend.allreduce([x], opts).wait()
         return x
 
-    def all_reduce_many(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each of `tensors` (contiguous, of one device and dtype) <- its sum over the ranks, in place, as one
-        coalesced collective (NCCL: one grouped launch); returns them."""
-        if self.size > 1:
-            self._backend.allreduce_coalesced(tensors, dist.AllreduceCoalescedOptions()).wait()
-        return tensors
-
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """[..., N] on each rank -> [..., size * N]: the ranks' x side by side along the last dimension."""
         if self.size == 1:

@@ -21,6 +21,7 @@ intermediate and the shrink's partials scratch (static shapes), so `lora_apply`
 can be captured in a CUDA graph; calls sharing one meta must be stream-ordered.
 """
 import os
+from typing import Callable
 
 import torch
 
@@ -35,18 +36,22 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+               reduce: Callable[[torch.Tensor], object] | None = None) -> None:
     """y: [T, N] += LoRA(x: [T, in]) per token's adapter; pool pages lora_a: [P, S*PAGE_RANK, in],
     lora_b: [P, PAGE_RANK, N]; lora_rank: [A] (kernels/lora_meta.py).
 
     y has the weights' dtype (or is float32). The product is rounded to y's dtype before it is added
-    (PEFT's rounding).
+    (PEFT's rounding). `reduce`, when given, runs in place on the shrink's output [T, S*R] before the expand
+    (tensor parallel: the all-reduce of a row-parallel layer's partial sums).
     """
     if not _use_triton(x):
-        lora_apply_ref(x, y, lora_a, lora_b, lora_rank, meta, slice_offsets)
+        lora_apply_ref(x, y, lora_a, lora_b, lora_rank, meta, slice_offsets, reduce)
         return
     factors = lora_factors(x, lora_a, lora_b, lora_rank, meta, slice_offsets)
-    lora_expand(factors.inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=True)
+    if reduce is not None:
+        reduce(factors.inter)
+    lora_expand(factors.inter, lora_b, lora_rank, meta, slice_offsets, y, after_shrink=reduce is None)
 
 
 def lora_factors(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor,
@@ -61,10 +66,13 @@ def lora_factors(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lo
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                   lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> None:
+                   lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+                   reduce: Callable[[torch.Tensor], object] | None = None) -> None:
     """Same as lora_apply through the plain-torch reference (host sync; not for graphs)."""
     num_slices = len(slice_offsets) - 1
     if num_slices < 1:
         raise ValueError(f"slice_offsets {tuple(slice_offsets)} name no slice")
     inter = lora_shrink_ref(x, lora_a, lora_rank, meta, num_slices)
+    if reduce is not None:
+        reduce(inter)
     lora_expand_ref(inter, lora_b, lora_rank, meta, slice_offsets, y)

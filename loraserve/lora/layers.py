@@ -22,12 +22,8 @@ output in place, in order. All give the same numbers (the factored product up
 to the order of its sums: the rounding of the product can differ by one step).
 
 With tensor parallelism the pool holds this rank's part of each adapter (split
-as the base layer's weight: `LinearBase.lora_shard`). Over a row-parallel base
-layer the shrink's partial sums (this rank's columns of A) are summed over the
-ranks together with the base layer's partial outputs, in its one coalesced
-all-reduce, and every rank then expands the whole product with B: LoRA adds no
-collective (beside the GEMM only the shrink runs on the side stream, joined
-back before the all-reduce; the expand follows it on the forward's stream).
+as the base layer's weight: `LinearBase.lora_shard`); over a row-parallel base
+layer the shrink's partial sums are all-reduced before the expand (`reduce`).
 """
 from __future__ import annotations
 
@@ -36,10 +32,7 @@ from torch import nn
 
 from loraserve.forward_context import ForwardContext
 from loraserve.kernels.lora_meta import LoRAMeta
-from loraserve.kernels.lora_expand import lora_expand
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref, lora_factors
-from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
 from loraserve.lora.side_stream import BoundLoRADelta, LoRAScratch, LoRASideStream, lora_delta
 from loraserve.models.linear import LinearBase, LinearOutput
 
@@ -63,6 +56,8 @@ class LoRALinear(nn.Module):
         self.slice_names = slice_names
         self.gemm_first = gemm_first  # beside the GEMM: issue the GEMM before the LoRA kernels (GEMM_FIRST_LAYERS)
         self.factored = factored  # larger CUDA steps: return the product as factors (FACTORED_LAYERS)
+        # tensor parallel, row-parallel base: the all-reduce of the shrink's partial sums before the expand
+        self.reduce = base.lora_reduce
         self.slice_offsets: tuple[int, ...] = getattr(base, "slice_offsets", (0, base.out_features))
         if len(self.slice_offsets) != len(slice_names) + 1:
             raise ValueError(f"{len(slice_names)} LoRA slices for a layer with {len(self.slice_offsets) - 1}")
@@ -103,69 +98,32 @@ class LoRALinear(nn.Module):
         if lora is None or (lora.active is not None and not lora.active[self.page_block]):
             return self.base(x)  # no LoRA, or no adapter of the step has weights in this layer's page block
         side, meta = lora.side, lora.metas[self.page_block]
-        beside = side is not None and 0 < x.shape[0] <= side.scratch.max_tokens
-        if self.base.sums_partials:
-            return self._forward_summed(x, meta, side if beside else None)
-        if beside:
-            return LinearOutput(*self._forward_beside(x, meta, side, lambda x: self.base(x).y))
-        y = self.base(x).y
-        if self.factored and x.is_cuda:
-            return LinearOutput(y, lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets))
-        self._add_in_order(x, y, meta)
-        return LinearOutput(y, None)
-
-    def _add_in_order(self, x: torch.Tensor, y: torch.Tensor, meta: LoRAMeta) -> None:
-        # y: [T, N] += the LoRA product of x: [T, in], in place, on the current stream
-        apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
-        apply(x, y, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
-
-    def _forward_summed(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream | None) -> LinearOutput:
-        # x: [T, in / tp] -> y: [T, N] (and its LoRA delta [T, N]): the shrink's partial sums [T, S*R] all-reduced
-        # with the base layer's partial outputs in one collective, then expanded by every rank
-        num_slices = len(self.slice_offsets) - 1
-        if side is None:
-            y = self.base.partial_sum(x)  # [T, N]
-            if x.is_cuda:
-                inter = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets).inter
-            else:
-                inter = lora_shrink_ref(x, self.lora_a, self.lora_rank, meta, num_slices)  # [T, S*R] float32
-            y = self.base.sum_partials(y, x.dtype, inter)
-            expand = lora_expand if x.is_cuda else lora_expand_ref
-            expand(inter, self.lora_b, self.lora_rank, meta, self.slice_offsets, y)  # in place
+        if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
+            y = self.base(x).y
+            if self.factored and x.is_cuda:
+                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
+                if self.reduce is not None:
+                    self.reduce(factors.inter)
+                return LinearOutput(y, factors)
+            apply = lora_apply if x.is_cuda else lora_apply_ref  # the CPU path is the torch reference
+            apply(x, y, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets, self.reduce)
             return LinearOutput(y, None)
-        t, scratch = x.shape[0], side.scratch
-        if self._fork is None:
-            self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
-        self._fork.record(side.main)
-        y = self.base.partial_sum(x)  # [T, N] float32
-        side.stream.wait_event(self._fork)
-        inter = scratch.inter_view(t, self.lora_rows)  # [T, S*R] float32
-        with torch.cuda.stream(side.stream):
-            partials = scratch.partials_view(shrink_config(t, x.shape[1], self.lora_rows).split_k, t, self.lora_rows)
-            lora_shrink(x, self.lora_a, self.lora_rank, meta, num_slices, inter, partials=partials)
-        self._join.record(side.stream)
-        side.main.wait_event(self._join)
-        y = self.base.sum_partials(y, x.dtype, inter)
-        delta = scratch.delta_view(t, self.out_features)
-        lora_expand(inter, self.lora_b, self.lora_rank, meta, self.slice_offsets, delta, overwrite=True)
-        return LinearOutput(y, delta)
+        return self._forward_beside(x, meta, side)
 
-    def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream,
-                        gemm) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, in] -> (gemm(x): [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next
-        # layer's), the two streams joined
+    def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> LinearOutput:
+        # x: [T, in] -> y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         self._fork.record(side.main)  # x, the metadata and the adapter weights are ready
         if self.gemm_first:
-            y = gemm(x)
+            y = self.base(x).y
             delta = self._launch_on_side(x, meta, side)
         else:
             delta = self._launch_on_side(x, meta, side)
-            y = gemm(x)
+            y = self.base(x).y
         self._join.record(side.stream)
         side.main.wait_event(self._join)
-        return y, delta
+        return LinearOutput(y, delta)
 
     def _launch_on_side(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> torch.Tensor:
         """The LoRA product of x on the side stream, after the fork; returns the delta."""
@@ -184,7 +142,8 @@ class LoRALinear(nn.Module):
         launch of its kernel shape, made here if none fits, and keep it for x's token count; returns the delta."""
         bound = next((b for b in self._bound.values() if b.fits(x, meta, scratch)), None)
         if bound is None:  # a new kernel shape (or new buffers): launched and bound by the kernels' wrappers
-            delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
+            delta, bound = lora_delta(x, scratch, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets,
+                                      self.reduce)
         else:
             delta = bound(x)
         self._bound[x.shape[0]] = bound

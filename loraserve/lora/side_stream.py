@@ -9,7 +9,9 @@ binds its two launches (shrink, expand) once per kernel shape
 (BoundLoRADelta), so a later step, and a graph capture, costs two plain
 launches per layer: no allocation, no argument binding.
 """
+import contextlib
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
@@ -66,8 +68,9 @@ class BoundLoRADelta:
 
     def __init__(self, shrink: BoundLaunch, expand: BoundLaunch, shrink_cfg: ShrinkConfig,
                  expand_cfg: ExpandConfig, meta: LoRAMeta, scratch: LoRAScratch, sr: int, n_out: int,
-                 num_loras: int):
+                 num_loras: int, reduce: Callable[[torch.Tensor], object] | None = None):
         self.shrink, self.expand = shrink, expand
+        self.reduce = reduce  # runs on the shrink's output between the two launches (lora_delta)
         self.shrink_cfg, self.expand_cfg = shrink_cfg, expand_cfg
         self.meta, self.scratch = meta, scratch  # kept: the launches hold their buffers' addresses
         self.sr, self.n_out, self.num_loras = sr, n_out, num_loras
@@ -94,17 +97,22 @@ class BoundLoRADelta:
                                      self.scratch.delta_view(t, self.n_out))
         shrink_grid_t, expand_grid_t, delta = step
         self.shrink(shrink_grid_t, x, t, x.stride(0), x.stride(1), stream=stream)
+        if self.reduce is not None:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.reduce(self.scratch.inter_view(t, self.sr))
         self.expand(expand_grid_t, t, stream=stream)
         return delta
 
 
 def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora_b: torch.Tensor,
-               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...]
-               ) -> tuple[torch.Tensor, BoundLoRADelta]:
+               lora_rank: torch.Tensor, meta: LoRAMeta, slice_offsets: tuple[int, ...],
+               reduce: Callable[[torch.Tensor], object] | None = None) -> tuple[torch.Tensor, BoundLoRADelta]:
     """delta: [T, N] = LoRA(x: [T, in]) in scratch (zeros for tokens without an adapter), launched now
     on the current stream (CUDA), and a BoundLoRADelta that launches the same for another x.
 
     0 < T <= scratch.max_tokens. The delta is a view of the scratch: valid until the next call with it.
+    `reduce`, when given, runs in place on the shrink's output [T, S*R] before the expand (tensor parallel:
+    the all-reduce of a row-parallel layer's partial sums; the expand then waits for it in full).
     """
     num_tokens, hidden = x.shape
     num_loras = meta.num_loras  # the grids of lora_shrink and lora_expand: the bound launches take the same split
@@ -116,9 +124,12 @@ def lora_delta(x: torch.Tensor, scratch: LoRAScratch, lora_a: torch.Tensor, lora
     delta, inter = scratch.delta_view(num_tokens, n_out), scratch.inter_view(num_tokens, sr)
     partials = scratch.partials_view(shrink_cfg.split_k, num_tokens, sr)
     shrink = lora_shrink(x, lora_a, lora_rank, meta, len(slice_offsets) - 1, inter, partials=partials, bind=True)
-    expand = lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, delta, overwrite=True, after_shrink=True,
-                         bind=True)
-    return delta, BoundLoRADelta(shrink, expand, shrink_cfg, expand_cfg, meta, scratch, sr, n_out, num_loras)
+    if reduce is not None:
+        reduce(inter)
+    expand = lora_expand(inter, lora_b, lora_rank, meta, slice_offsets, delta, overwrite=True,
+                         after_shrink=reduce is None, bind=True)
+    return delta, BoundLoRADelta(shrink, expand, shrink_cfg, expand_cfg, meta, scratch, sr, n_out, num_loras,
+                                 reduce)
 
 
 @dataclass

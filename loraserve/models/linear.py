@@ -11,10 +11,8 @@ checkpoint tensors as consecutive output ranges (slices), `shard` being the
 slice's index, or one checkpoint tensor holding them all (`shard` None: Phi-3's
 qkv_proj and gate_up_proj). The same rule splits a LoRA adapter's factors (`lora_shard`):
 for a column layer A is whole and B split by output, for a row layer A split by
-input and B whole: the shrink's partial sums are summed over the ranks with the
-layer's partial outputs, in its one (coalesced) all-reduce (`partial_sum`,
-`sum_partials`), before every rank expands the whole product: LoRA adds no
-collective.
+input and B whole (the shrink's partial sums are all-reduced before the expand,
+`lora_reduce`).
 
 `forward(x, ctx=None)` returns a LinearOutput: base layers ignore the forward
 context and return no delta; the LoRA wrapper (loraserve.lora.layers.LoRALinear)
@@ -72,10 +70,10 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     @property
-    def sums_partials(self) -> bool:
-        """Whether the output is a sum over the ranks' partial outputs (a row-parallel layer of several ranks:
-        `partial_sum`, then `sum_partials`)."""
-        return False
+    def lora_reduce(self):
+        """The all-reduce of a LoRA shrink's partial sums before its expand (row-parallel layers of several
+        ranks), or None."""
+        return None
 
     @property
     def checkpoint_shapes(self) -> list[tuple[int, int]]:
@@ -219,8 +217,8 @@ class RowParallelLinear(LinearBase):
         super().__init__(_split(in_features, tp.size, "in_features"), out_features, bias, tp)
 
     @property
-    def sums_partials(self) -> bool:
-        return self.tp.is_parallel
+    def lora_reduce(self):
+        return self.tp.all_reduce if self.tp.is_parallel else None
 
     @property
     def checkpoint_shapes(self):
@@ -243,29 +241,13 @@ class RowParallelLinear(LinearBase):
         # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum)
         if not self.tp.is_parallel:
             return LinearOutput(F.linear(x, self.weight, self.bias), None)
-        return LinearOutput(self.sum_partials(self.partial_sum(x), x.dtype), None)
-
-    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the output before the sum over ranks: x: [T, in / tp] -> [T, out], in float32
-        in steps of up to FP32_REDUCE_MAX_TOKENS tokens (x's dtype above)."""
         in_fp32 = x.dtype != torch.float32 and x.shape[0] <= FP32_REDUCE_MAX_TOKENS
-        return fp32_product(x, self.weight) if in_fp32 else F.linear(x, self.weight)
-
-    def sum_partials(self, y: torch.Tensor, dtype: torch.dtype, extra: torch.Tensor | None = None) -> torch.Tensor:
-        """The layer's output from every rank's partial_sum y: [T, out], summed in place by one all-reduce, rounded
-        once to `dtype`, the bias added. `extra` (a LoRA shrink's partial sums) is summed over the ranks in place
-        in the same collective (coalesced, when it has y's dtype; by one of its own before otherwise)."""
-        if extra is None:
-            self.tp.all_reduce(y)
-        elif extra.dtype == y.dtype:
-            self.tp.all_reduce_many([y, extra])
-        else:
-            self.tp.all_reduce(extra)
-            self.tp.all_reduce(y)
-        y = y.to(dtype)
+        y = fp32_product(x, self.weight) if in_fp32 else F.linear(x, self.weight)  # [T, out]
+        self.tp.all_reduce(y)
+        y = y.to(x.dtype)  # the one rounding of an fp32 sum (a no-op otherwise)
         if self.bias is not None:
             y = y + self.bias
-        return y
+        return LinearOutput(y, None)
 
 
 def fp32_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
