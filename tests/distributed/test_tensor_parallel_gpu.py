@@ -1,6 +1,6 @@
 """Tensor parallelism on 2 GPUs (NCCL): against one GPU in fp32 and bf16 (bf16 on 4 GPUs too, where there are
-four), CUDA graphs (with their all-reduces and the LoRA kernels inside) against eager in every bucket, and a
-killed worker (marked gpu and multigpu).
+four), CUDA graphs (with their all-reduces and the LoRA kernels inside) against eager in every bucket, a
+killed worker and a script's own exit status (marked gpu and multigpu).
 
 Engines share GPU 0 with each other, so each takes a small KV cache (max_num_seqs sequences of
 max_model_len) and a fixed adapter pool.
