@@ -44,6 +44,11 @@ if __name__ == "__main__":
 """
 
 
+def worker_pids(out: str) -> list[int]:
+    """The worker pids the script printed (its WORKERS line)."""
+    return [int(p) for p in next(line for line in out.splitlines() if line.startswith("WORKERS")).split()[1:]]
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -84,7 +89,7 @@ def run_killed_worker(model: str, device: str) -> None:
                           text=True, timeout=DEADLINE)
     out = proc.stdout
     assert proc.returncode == 3, out + proc.stderr
-    pids = [int(p) for p in next(line for line in out.splitlines() if line.startswith("WORKERS")).split()[1:]]
+    pids = worker_pids(out)
     _, kind, seconds, message = next(line for line in out.splitlines() if line.startswith("RAISED")).split(" ", 3)
     assert kind == "WorkerDiedError"
     assert f"tensor-parallel worker 1 of 2 (pid {pids[0]}) died with exit code -9" in message
@@ -102,4 +107,4 @@ def run_exit(model: str, device: str) -> None:
     assert proc.returncode == 3, out + proc.stderr
     assert "GENERATED 160" in out
     assert "left behind" not in proc.stderr, proc.stderr
-    wait_gone([int(p) for p in next(line for line in out.splitlines() if line.startswith("WORKERS")).split()[1:]])
+    wait_gone(worker_pids(out))
