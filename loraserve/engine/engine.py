@@ -393,8 +393,10 @@ class LLMEngine:
 def _stop_workers(runner: ModelRunner, workers: TensorParallelWorkers) -> None:
     """A tensor-parallel engine's end (shutdown, garbage collection or the interpreter's exit): its graphs
     released, then its workers stopped and the group left (NCCL's abort would wait for the graphs). After a
-    worker died the graphs stay: rank 0's device may still wait in a collective, and destroying a graph then
-    blocks."""
+    worker died they are abandoned instead: rank 0's device may still wait in a collective, and destroying a
+    graph then blocks."""
     if workers.failure is None:
         runner.release_graphs()
+    else:
+        runner.abandon_graphs()
     workers.close()

@@ -11,6 +11,7 @@ that prefill (worker/mixed_graphs.py) are captured with one rank only.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 from dataclasses import dataclass
@@ -176,6 +177,16 @@ class ModelRunner:
             if graphs is not None:
                 for bucket in list(graphs.graphs):
                     graphs.drop(bucket)
+        self.graph_runner = self.mixed_graphs = None
+
+    def abandon_graphs(self) -> None:
+        """Rank 0 after a tensor-parallel worker died: its device may wait for good in the dead rank's
+        collective, so its graphs can't be destroyed (the destructor blocks), and freeing them in the
+        interpreter's finalization lets NCCL's abort, left behind on its thread, return into a finalizing
+        interpreter (the C++ runtime then aborts the process). They are deliberately never freed: the
+        process ends with its own status and the driver reclaims the device."""
+        kept = [graphs for graphs in (self.graph_runner, self.mixed_graphs) if graphs is not None]
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # one reference no one holds: never collected
         self.graph_runner = self.mixed_graphs = None
 
     # -- start-up ---------------------------------------------------------------
