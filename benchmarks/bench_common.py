@@ -146,11 +146,11 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None) -> float:
 
 
 def _collective_rank(rank: int, size: int, port: int, shape: tuple[int, int], gather_cols: int, count: int,
-                     dtype: torch.dtype, results) -> None:
+                     dtype: torch.dtype, custom_all_reduce: bool, results) -> None:
     """One rank of collective_seconds (a spawned process on GPU `rank`)."""
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    group = ParallelGroup.connect(join_store(port, size), rank, size, device)
+    group = ParallelGroup.connect(join_store(port, size), rank, size, device, custom_all_reduce)
     x = torch.zeros(shape, dtype=dtype, device=device)  # [B, D]
     logits = torch.zeros(shape[0], gather_cols, dtype=dtype, device=device)  # [B, V / size]
 
@@ -176,17 +176,19 @@ def _collective_rank(rank: int, size: int, port: int, shape: tuple[int, int], ga
     os._exit(0)
 
 
-def collective_seconds(size: int, batch: int, hidden: int, num_layers: int, vocab: int, dtype: torch.dtype) -> dict:
+def collective_seconds(size: int, batch: int, hidden: int, num_layers: int, vocab: int, dtype: torch.dtype,
+                       custom_all_reduce: bool = True) -> dict:
     """The collectives of one decode step of `batch` rows at `size` ranks (GPUs 0..size-1), timed alone: the
     embedding's all-reduce and two per layer of [batch, hidden] replayed in one CUDA graph (as the decode graphs
-    hold them), and the logits' all-gather of [batch, vocab / size] (eager, as the engine runs it). Run it while
-    no engine holds those GPUs."""
+    hold them; through the peer-to-peer path unless `custom_all_reduce` is off), and the logits' all-gather of
+    [batch, vocab / size] (eager, as the engine runs it). Run it while no engine holds those GPUs."""
     store = host_store(size)
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     count = 2 * num_layers + 1
     procs = [context.Process(target=_collective_rank, args=(r, size, store.port, (batch, hidden),
-                                                            -(-vocab // size), count, dtype, results))
+                                                            -(-vocab // size), count, dtype, custom_all_reduce,
+                                                            results))
              for r in range(size)]
     for proc in procs:
         proc.start()

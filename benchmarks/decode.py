@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--tensor-parallel-size", type=bc.int_list, default=[1],
                    help="ranks (GPUs) the model is split over; a list (1,2) runs each mode at each size")
+    p.add_argument("--disable-custom-all-reduce", action="store_true",
+                   help="every all-reduce through NCCL, in the engines and in the collectives timed alone")
     args = p.parse_args(argv)
     args.batch_sizes = args.batch_sizes or list(QUICK_BATCH_SIZES if args.quick else BATCH_SIZES)
     args.contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else CONTEXTS)
@@ -75,7 +77,7 @@ def run_mode(args, mode: str, tp: int, device: torch.device, bandwidth: float) -
         args.model, device=device, dtype=args.dtype, max_model_len=min(needed, limit or needed),
         max_num_seqs=max(args.batch_sizes), enforce_eager=mode == "eager", seed=args.seed,
         async_scheduling=args.async_scheduling, gpu_memory_utilization=args.gpu_memory_utilization,
-        tensor_parallel_size=tp))
+        tensor_parallel_size=tp, disable_custom_all_reduce=args.disable_custom_all_reduce))
     info = bc.engine_info(engine, time.perf_counter() - t0)
     bc.fill_kv_random(engine)
     rows = []
@@ -195,7 +197,8 @@ def main(argv=None) -> int:
     config = open_model(args.model).hf_config if several else None  # read only to size the collectives
     for tp in several:
         collectives[tp] = bc.collective_seconds(tp, 1, config.hidden_size, config.num_hidden_layers,
-                                                config.vocab_size, resolve_dtype(args.dtype, device))
+                                                config.vocab_size, resolve_dtype(args.dtype, device),
+                                                not args.disable_custom_all_reduce)
         print(f"collectives of a batch-1 step at {tp} ranks: {collectives[tp]['all_reduces']} all-reduces "
               f"{1e3 * collectives[tp]['all_reduce_s']:.3f} ms, logits all-gather "
               f"{1e3 * collectives[tp]['all_gather_s']:.3f} ms")

@@ -74,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the capture-time check compares the medians (0: compare the start-up captures)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks (GPUs) every engine's model is split over; the byte floor is then one rank's")
+    p.add_argument("--disable-custom-all-reduce", action="store_true", help="every all-reduce through NCCL")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="largest graph bucket (default: the largest batch size)")
     p.add_argument("--capture-max-loras", type=lambda t: [int(v) for v in t.split(",") if v.strip()],
@@ -144,7 +145,7 @@ def build_engine(args, model: str, mode: str, device, max_loras: int):
         async_scheduling=args.async_scheduling, max_num_seqs=args.max_num_seqs,
         enforce_eager=mode.startswith("eager"), seed=args.seed, enable_lora=mode.endswith("+lora"),
         max_loras=max_loras, max_lora_rank=args.max_lora_rank, lora_gpu_memory=args.lora_gpu_memory,
-        tensor_parallel_size=args.tensor_parallel_size))
+        tensor_parallel_size=args.tensor_parallel_size, disable_custom_all_reduce=args.disable_custom_all_reduce))
 
 
 def run_mode(args, model: str, mode: str, device, bandwidth: float, adapters: dict) -> tuple[dict, list[dict], object]:

@@ -144,6 +144,7 @@ class ParallelConfig:
     """Tensor parallelism: the model's layers split over this many devices, one process each."""
 
     tensor_parallel_size: int = 1
+    disable_custom_all_reduce: bool = False  # every all-reduce through NCCL (no peer-to-peer sums)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -199,6 +200,7 @@ class EngineArgs:
     lora_root: str | None = None
     lora_reader: str = "auto"
     tensor_parallel_size: int = 1  # ranks (devices, one process each) the model's layers are split over
+    disable_custom_all_reduce: bool = False  # small sums over NVLink peer-to-peer unless set (vLLM's name)
 
     def check(self) -> None:
         """Validate what does not depend on the model (before anything is read from disk)."""
@@ -239,7 +241,7 @@ class EngineArgs:
                            self.num_gpu_blocks_override, self.enable_prefix_caching)
 
     def _parallel(self) -> ParallelConfig:
-        parallel = ParallelConfig(self.tensor_parallel_size)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.disable_custom_all_reduce)
         device = resolve_device(self.device)
         if device.type == "cuda" and self.tensor_parallel_size > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} needs as many CUDA devices, but "

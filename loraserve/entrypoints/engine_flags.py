@@ -50,6 +50,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=_DEFAULTS.tensor_parallel_size,
                         help="split the model's layers over this many GPUs (CUDA devices 0..N-1), one process each "
                              "(on the CPU: processes talking through gloo)")
+    parser.add_argument("--disable-custom-all-reduce", action="store_true",
+                        help="with tensor parallelism on GPUs, every all-reduce through NCCL (by default the small "
+                             "ones (up to 2 MiB) are one kernel reading the peers' buffers over NVLink)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS.async_scheduling,
@@ -83,4 +86,5 @@ def engine_args(args: argparse.Namespace, enable_lora: bool) -> EngineArgs:
                       enable_lora=enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
                       lora_gpu_memory=args.lora_gpu_memory, max_cpu_lora_memory=args.max_cpu_lora_memory,
                       max_cpu_loras=args.max_cpu_loras, lora_reader=args.lora_reader,
-                      tensor_parallel_size=args.tensor_parallel_size)
+                      tensor_parallel_size=args.tensor_parallel_size,
+                      disable_custom_all_reduce=args.disable_custom_all_reduce)

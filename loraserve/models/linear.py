@@ -20,13 +20,14 @@ uses the context's LoRA state.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.distributed import NO_PARALLEL, ParallelGroup
+from loraserve.distributed import NO_PARALLEL, SIDE, ParallelGroup
 from loraserve.kernels.lora_expand import LoRAFactors
 
 # A row-parallel layer in a step of up to this many tokens sums its ranks' partial outputs in float32 (each
@@ -218,7 +219,7 @@ class RowParallelLinear(LinearBase):
 
     @property
     def lora_reduce(self):
-        return self.tp.all_reduce if self.tp.is_parallel else None
+        return functools.partial(self.tp.all_reduce, channel=SIDE) if self.tp.is_parallel else None
 
     @property
     def checkpoint_shapes(self):

@@ -45,6 +45,7 @@ class TensorParallelWorkers(StepFollowers):
 
     def __init__(self, config: EngineConfig):
         self.size = config.parallel.tensor_parallel_size
+        self._custom_all_reduce = not config.parallel.disable_custom_all_reduce
         self._store = host_store(self.size)
         context = torch.multiprocessing.get_context("spawn")
         root = logging.getLogger()
@@ -80,7 +81,7 @@ class TensorParallelWorkers(StepFollowers):
 
     def connect(self, device: torch.device) -> ParallelGroup:
         """Rank 0 joins the group (returns once every worker has joined)."""
-        self.group = ParallelGroup.connect(self._store, 0, self.size, device)
+        self.group = ParallelGroup.connect(self._store, 0, self.size, device, self._custom_all_reduce)
         return self.group
 
     # -- steps ---------------------------------------------------------------------------------------

@@ -49,7 +49,8 @@ def main(rank: int, size: int, store_port: int, config: EngineConfig, commands, 
         else:  # the ranks share the machine's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
         config = replace(config, model=replace(config.model, device=device))
-        tp = ParallelGroup.connect(join_store(store_port, size), rank, size, device)
+        tp = ParallelGroup.connect(join_store(store_port, size), rank, size, device,
+                                   not config.parallel.disable_custom_all_reduce)
         model = open_model(config.model.model).load_model(device, config.model.dtype, tp)
         runner = ModelRunner.build(model, config, None, tp=tp)
         while True:

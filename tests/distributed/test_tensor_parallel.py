@@ -10,6 +10,7 @@ import dataclasses
 import random
 import threading
 import types
+from datetime import timedelta
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 from hf_reference import assert_matches_reference, load_peft_model, teacher_forced_logprobs
 from model_fixtures import CONFIDENT_STEPS, WINDOW, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
-from loraserve.distributed import ParallelGroup
+from loraserve.distributed import GroupExchangeStore, ParallelGroup
 from loraserve.models.loader import build_empty_model, open_model
 from loraserve.models.linear import (FP32_REDUCE_MAX_TOKENS, PackedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear)
@@ -285,3 +286,29 @@ def test_row_parallel_bf16_partials_are_summed_in_fp32_in_small_steps(tokens):
         if small:
             assert torch.allclose(y.float(), whole.bfloat16().float(), rtol=0, atol=1e-3 * whole.abs().max())
             assert (y.float() == whole.bfloat16().float()).float().mean() > 0.99
+
+
+def test_exchange_keys_agree_between_a_long_lived_rank_and_fresh_ones():
+    """Symmetric memory numbers its store exchanges with one counter per process: rank 0 of a second engine
+    has counted the first engine's exchanges, its fresh workers have not. Through GroupExchangeStore both
+    number this group's exchanges from 0, so each gathers the other's values (raw keys would wait forever)."""
+    shared = torch.distributed.HashStore()
+    counters = {0: 7, 1: 0}  # the process-wide counter of each rank when this group's first exchange starts
+
+    def rank(r: int) -> list[bytes]:
+        store = GroupExchangeStore(torch.distributed.PrefixStore("group", shared))
+        gathered = []
+        for _ in range(3):  # torch's all_gather: set its own key, wait for and read every other rank's
+            n = counters[r]
+            counters[r] += 1
+            store.set(f"CUDASymmetricMemory/{n}/{r}", f"{r}:{n}".encode())
+            peer = f"CUDASymmetricMemory/{n}/{1 - r}"
+            store.wait([peer], timedelta(seconds=10))
+            gathered.append(store.get(peer))
+        store.set("untouched/key", b"x")
+        return gathered
+
+    with ThreadPoolExecutor(2) as pool:
+        got0, got1 = pool.map(rank, [0, 1])
+    assert got0 == [b"1:0", b"1:1", b"1:2"] and got1 == [b"0:7", b"0:8", b"0:9"]
+    assert shared.get("group/untouched/key") == b"x"

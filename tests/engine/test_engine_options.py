@@ -67,6 +67,9 @@ def test_engine_flags_reach_the_engine_args(tmp_path):
     assert (options.tokenizer, options.chat_template) == ("/some/tok", TEMPLATE)
     inline = parser.parse_args(["Hi", "--chat-template", TEMPLATE])
     assert engine_args(inline, enable_lora=False).chat_template == TEMPLATE
+    assert not options.disable_custom_all_reduce
+    nccl_only = engine_args(parser.parse_args(["Hi", "--disable-custom-all-reduce"]), enable_lora=False)
+    assert nccl_only.create_config(4096).parallel.disable_custom_all_reduce
 
 
 def test_a_chat_template_that_is_neither_file_nor_template_is_a_usage_error(model):
