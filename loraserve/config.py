@@ -200,7 +200,7 @@ class EngineArgs:
     lora_root: str | None = None
     lora_reader: str = "auto"
     tensor_parallel_size: int = 1  # ranks (devices, one process each) the model's layers are split over
-    disable_custom_all_reduce: bool = False  # small sums over NVLink peer-to-peer unless set (vLLM's name)
+    disable_custom_all_reduce: bool = False  # small sums peer to peer unless set (vLLM's name)
 
     def check(self) -> None:
         """Validate what does not depend on the model (before anything is read from disk)."""

@@ -9,20 +9,19 @@ rendezvous store (`host_store`), the other ranks connect to it (`ParallelGroup.c
 
 Collectives are issued on the current CUDA stream's order (NCCL: on the backend's stream, fenced by events
 with the current stream), so they can be captured in CUDA graphs. Between GPUs that reach each other peer to
-peer, small sums skip NCCL: `PeerAllReduce` is one kernel on the caller's stream that reads every rank's
-buffer (torch's symmetric memory); NCCL stays the plain fallback for everything else.
+peer, small sums skip NCCL (loraserve.peer_all_reduce: one kernel on the caller's stream that reads every
+rank's buffer); NCCL stays the plain path for everything else.
 """
 from __future__ import annotations
 
 import logging
 import threading
-import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.distributed._symmetric_memory as symm_mem
-from torch._C._distributed_c10d import _register_process_group, _SymmetricMemory, _unregister_process_group
+
+from loraserve.peer_all_reduce import MAIN, PEER_ALL_REDUCE_BYTES, PeerAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -32,103 +31,6 @@ STORE_TIMEOUT = timedelta(minutes=5)  # ranks that do not reach the rendezvous b
 # the slowest rank's weight load; a dead rank is noticed long before by the worker monitor.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 ABORT_SECONDS = 5.0  # the most a group's abort (or close) waits for its backend
-PEER_ALL_REDUCE_BYTES = 2 << 20  # the largest all-reduce of a channel that takes the peer-to-peer path
-MAIN, SIDE = 0, 1  # all-reduce channels: the forward's stream, the LoRA side stream (never sharing a buffer)
-
-
-class GroupExchangeStore(dist.Store):
-    """The store torch's symmetric memory exchanges buffer handles through, for one group. Torch numbers those
-    exchanges with one counter per process ("<kind>/<n>/<rank>" keys): rank 0, which outlives its workers,
-    would wait for keys that a later engine's fresh workers number from 0 (it hung). Here each rank numbers a
-    kind's exchanges from this group's first one, so the keys of every rank agree; other keys pass as they
-    are."""
-
-    def __init__(self, store: dist.Store):
-        super().__init__()
-        self._store = store
-        self._first: dict[str, int] = {}  # exchange kind -> the process's counter at this group's first one
-
-    def _key(self, key: str) -> str:
-        kind, _, rest = key.partition("/")
-        n, _, rank = rest.partition("/")
-        if not (n.isdigit() and rank.isdigit()):
-            return key
-        first = self._first.setdefault(kind, int(n))
-        return f"{kind}/{int(n) - first}/{rank}"
-
-    def set(self, key, value):
-        self._store.set(self._key(key), value)
-
-    def get(self, key):
-        return self._store.get(self._key(key))
-
-    def wait(self, keys, timeout=None):
-        keys = [self._key(k) for k in keys]
-        if timeout is None:
-            self._store.wait(keys)
-        else:
-            self._store.wait(keys, timeout)
-
-
-class PeerAllReduce:
-    """Small sums as one kernel on the caller's stream that reads every peer's buffer over NVLink (torch's
-    symmetric memory, one-shot, no multicast), instead of NCCL's all-reduce: a decode step's all-reduces are
-    latency-bound. One buffer per channel, so that all-reduces on two streams never share one; every rank
-    calls the same ones in the same order, as for NCCL. The sum runs in the tensor's dtype, over the ranks in
-    one order on every rank, so every rank gets the same bits."""
-
-    def __init__(self, name: str, buffers: list[torch.Tensor]):
-        self.name, self.buffers = name, buffers  # buffers[channel]: [PEER_ALL_REDUCE_BYTES] uint8, symmetric
-
-    @staticmethod
-    def possible(device: torch.device, size: int) -> bool:
-        """Whether this rank can take part: CUDA, a group of 2, 4 or 8, torch with the one-shot op, and peer
-        access to every other GPU of the group."""
-        if device.type != "cuda" or size not in (2, 4, 8):
-            return False
-        if not (hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
-                and hasattr(_SymmetricMemory, "set_group_info")):
-            return False
-        return all(torch.cuda.can_device_access_peer(device.index, d) for d in range(size) if d != device.index)
-
-    @classmethod
-    def connect(cls, store: dist.Store, rank: int, size: int, device: torch.device,
-                backend: dist.ProcessGroupNCCL) -> "PeerAllReduce":
-        """Allocate and exchange the buffers: a collective of the ranks that meet at `store`. Symmetric memory
-        finds its group by name in torch's registry of process groups: the group's NCCL backend is
-        registered there under a name of this group alone (one process may hold several engines)."""
-        if rank == 0:
-            store.set("name", f"loraserve-tp-{uuid.uuid4().hex}")
-        name = store.get("name").decode()
-        exchange = GroupExchangeStore(dist.PrefixStore(name, store))
-        _SymmetricMemory.set_group_info(name, rank, size, exchange)
-        group = dist.ProcessGroup(exchange, rank, size)
-        group._register_backend(device, dist.ProcessGroup.BackendType.NCCL, backend)
-        group._set_default_backend(dist.ProcessGroup.BackendType.NCCL)
-        group._set_group_name(name)
-        _register_process_group(name, group)
-        buffers = []
-        for _ in (MAIN, SIDE):
-            buffer = symm_mem.empty(PEER_ALL_REDUCE_BYTES, dtype=torch.uint8, device=device)
-            symm_mem.rendezvous(buffer, name)
-            buffers.append(buffer)
-        return cls(name, buffers)
-
-    def close(self) -> None:
-        """Leave torch's registry of process groups (the buffers go with this object)."""
-        _unregister_process_group(self.name)
-
-    @staticmethod
-    def fits(x: torch.Tensor) -> bool:
-        nbytes = x.numel() * x.element_size()
-        return (x.dtype in (torch.float32, torch.bfloat16) and x.is_contiguous() and nbytes % 16 == 0
-                and x.data_ptr() % 16 == 0 and nbytes <= PEER_ALL_REDUCE_BYTES)
-
-    def __call__(self, x: torch.Tensor, channel: int) -> None:
-        """x <- its sum over the ranks, in place (fits(x)): copied into this rank's buffer, summed from all."""
-        staging = self.buffers[channel].view(x.dtype)[:x.numel()]  # [numel] of this rank's buffer
-        flat = x.view(-1)
-        torch.ops.symm_mem.one_shot_all_reduce_copy_out(staging, flat, "sum", self.name, flat)
 
 
 class ParallelGroup:
@@ -144,7 +46,7 @@ class ParallelGroup:
             raise ValueError("a group of several ranks needs a backend")
         self.rank, self.size, self.device = rank, size, torch.device(device)
         self._backend = backend
-        self._peer: PeerAllReduce | None = None  # small sums over NVLink, when every rank can
+        self._peer: PeerAllReduce | None = None  # small sums peer to peer, when every rank can
 
     @property
     def is_parallel(self) -> bool:
@@ -168,13 +70,18 @@ class ParallelGroup:
         group = cls(rank, size, device, backend)
         group.barrier()  # every rank is there (and NCCL's communicator is made now, not inside a graph capture)
         if custom_all_reduce and group.agree([int(PeerAllReduce.possible(device, size))], "min")[0]:
-            try:
+            try:  # a rank that fails alone leaves the others in the exchange until STORE_TIMEOUT
                 peer = PeerAllReduce.connect(dist.PrefixStore("peer", prefixed), rank, size, device, backend)
-            except RuntimeError as exc:  # every rank runs the same torch and driver: they fail alike
+            except RuntimeError as exc:
                 logger.warning("all-reduces through NCCL only: the peer-to-peer buffers failed (%s)", exc)
                 peer = None
             if group.agree([int(peer is not None)], "min")[0]:
                 group._peer = peer
+                if rank == 0:
+                    logger.info("tensor parallelism: sums of up to %d KiB (fp32, bf16) peer to peer, the rest "
+                                "through NCCL", PEER_ALL_REDUCE_BYTES >> 10)
+            elif peer is not None:
+                peer.close()
         return group
 
     # -- collectives (no-ops for a group of one) -------------------------------------------------------
@@ -220,9 +127,17 @@ class ParallelGroup:
 
     # -- the end ------------------------------------------------------------------------------------
     def abort(self) -> None:
-        """Break off collectives in flight (a peer died): they fail instead of waiting for it forever. Returns
-        within ABORT_SECONDS: NCCL's abort itself was seen to block for good (torch 2.11, NCCL 2.28, after
-        the other ranks had left), so it runs on a thread of its own that is given up on after that."""
+        """A peer died: break off NCCL's collectives in flight (they fail instead of waiting for it forever)
+        and abandon the peer-to-peer buffers (PeerAllReduce.abandon: their kernels can't be broken off, and
+        freeing the buffers would wait for them). Returns within ABORT_SECONDS."""
+        if self._peer is not None:
+            self._peer.abandon()
+            self._peer = None
+        self._abort_backend()
+
+    def _abort_backend(self) -> None:
+        """NCCL's abort (gloo's), on a thread of its own that is given up on after ABORT_SECONDS: it was seen
+        to block for good (torch 2.11, NCCL 2.28, after the other ranks had left)."""
         if self._backend is None:
             return
         done = threading.Event()
@@ -242,7 +157,7 @@ class ParallelGroup:
     def close(self) -> None:
         """Leave the group after its last collective, without waiting for the other ranks (collectives fail
         afterwards)."""
-        self.abort()
+        self._abort_backend()
         self._backend = None
         if self._peer is not None:
             self._peer.close()

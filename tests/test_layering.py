@@ -16,7 +16,7 @@ FLOORS = (  # top to bottom; a module belongs to the floor of its longest matchi
     ("lora", ("loraserve.lora",)),
     ("models", ("loraserve.models",)),
     ("ground", ("loraserve.forward_context", "loraserve.sequence", "loraserve.sampling_params",
-                "loraserve.outputs", "loraserve.distributed")),
+                "loraserve.outputs", "loraserve.distributed", "loraserve.peer_all_reduce")),
     ("base", ("loraserve.kernels", "loraserve.config", "loraserve.errors")),
 )
 

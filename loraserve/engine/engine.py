@@ -302,14 +302,16 @@ class LLMEngine:
         return []
 
     def _read(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Wait for a launched step's tokens (and prompt logprobs) and hand them to their sequences."""
+        """Wait for a launched step's tokens (and prompt logprobs) and hand them to their sequences (with
+        tensor parallelism through the workers' `wait_for`, which a worker's death ends)."""
+        wait = self.workers.wait_for if self.workers is not None else None
         if launched.prompt_logprobs is not None:
             rows, values = launched.prompt_logprobs
-            for (seq, position), entry in zip(rows.owners, values.to_host()):
+            for (seq, position), entry in zip(rows.owners, values.to_host(wait)):
                 seq.prompt_logprobs[position] = entry  # a recompute after preemption writes the same again
         if launched.samples is None:
             return []
-        result = launched.samples.to_host()
+        result = launched.samples.to_host(wait)
         outputs = []
         for seq, token, logprobs in zip(launched.sequences, result.token_ids, result.logprobs):
             if seq.is_finished:

@@ -52,7 +52,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(on the CPU: processes talking through gloo)")
     parser.add_argument("--disable-custom-all-reduce", action="store_true",
                         help="with tensor parallelism on GPUs, every all-reduce through NCCL (by default the small "
-                             "ones (up to 2 MiB) are one kernel reading the peers' buffers over NVLink)")
+                             "fp32/bf16 ones, up to 2 MiB, are one kernel reading the peers' buffers directly)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction,
                         default=_DEFAULTS.async_scheduling,

@@ -27,8 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loraserve.distributed import NO_PARALLEL, SIDE, ParallelGroup
+from loraserve.distributed import NO_PARALLEL, ParallelGroup
 from loraserve.kernels.lora_expand import LoRAFactors
+from loraserve.peer_all_reduce import SIDE
 
 # A row-parallel layer in a step of up to this many tokens sums its ranks' partial outputs in float32 (each
 # rank's GEMM writes its partial sum in fp32, the all-reduce adds them, and the total is rounded once, as one

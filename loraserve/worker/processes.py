@@ -8,7 +8,10 @@ thread watches the processes. When one dies unexpectedly it records a
 WorkerDiedError that names the rank, its exit code and its error, aborts the
 group's collectives (so that rank 0 is not left waiting inside one) and ends
 the other workers. Rank 0's device work runs inside `guard()`, which raises
-that error instead of whatever a failed collective made of it; should rank 0
+that error instead of whatever a failed collective made of it, and rank 0
+waits for a step's results with `wait_for`, which polls rather than block in
+the device (a peer-to-peer all-reduce waiting for the dead rank never ends,
+no abort reaches it), so the death ends that wait too; should rank 0
 still be stuck in its device work DEATH_GRACE_SECONDS after a death (a
 collective that could not be aborted), the monitor ends the process with the
 error in the log rather than let it hang. `close` stops the workers (asked
@@ -38,6 +41,7 @@ logger = logging.getLogger(__name__)
 DEATH_GRACE_SECONDS = 30.0  # rank 0 stuck in device work this long after a worker died: the process ends
 NOTICE_SECONDS = 5.0  # how long a failed collective waits for the monitor to name the worker that died
 STOP_SECONDS = 10.0  # workers asked to stop have this long before they are terminated
+POLL_SECONDS = 1e-4  # how often rank 0, waiting for a step's results, looks for a dead worker
 
 
 class TensorParallelWorkers(StepFollowers):
@@ -105,6 +109,13 @@ class TensorParallelWorkers(StepFollowers):
         """Raise WorkerDiedError if a worker died."""
         if self._failure is not None:
             raise WorkerDiedError(self._failure)
+
+    def wait_for(self, event: torch.cuda.Event) -> None:
+        """Wait until `event` (a step's results on their way to rank 0's host) has happened, or raise
+        WorkerDiedError once a worker has died."""
+        while not event.query():
+            if self._failed.wait(POLL_SECONDS):
+                raise WorkerDiedError(self._failure)
 
     @contextlib.contextmanager
     def guard(self):

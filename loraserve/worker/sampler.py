@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -12,6 +13,9 @@ from loraserve.sampling_params import SamplingParams
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[dict[int, float] | None]  # per row: sampled token + top-k, or None if not asked
+
+
+Wait = Callable[[torch.cuda.Event], None]  # how the host waits for a device event (default: synchronize)
 
 
 class _HostCopies:
@@ -25,9 +29,9 @@ class _HostCopies:
             self._ready = torch.cuda.Event()
             self._ready.record()
 
-    def lists(self) -> list[list]:
+    def lists(self, wait: Wait | None = None) -> list[list]:
         if self._ready is not None:
-            self._ready.synchronize()
+            (wait or torch.cuda.Event.synchronize)(self._ready)
         return [t.tolist() for t in self._host]
 
 
@@ -44,8 +48,8 @@ class SampledTokens:
         self.want = want
         self._copies = _HostCopies((tokens, *(logprob_tensors or ())))
 
-    def to_host(self) -> SamplerOutput:
-        token_list, *logprob_lists = self._copies.lists()
+    def to_host(self, wait: Wait | None = None) -> SamplerOutput:
+        token_list, *logprob_lists = self._copies.lists(wait)
         n = len(token_list)
         if not logprob_lists:
             return SamplerOutput(token_list, [None] * n)
@@ -79,8 +83,8 @@ class PromptLogprobs:
         self.targets, self.num_top = targets, num_top
         self._copies = _HostCopies((chosen, top_vals, top_ids))
 
-    def to_host(self) -> list[dict[int, float]]:
-        chosen, top_vals, top_ids = self._copies.lists()
+    def to_host(self, wait: Wait | None = None) -> list[dict[int, float]]:
+        chosen, top_vals, top_ids = self._copies.lists(wait)
         out = []
         for i, target in enumerate(self.targets):
             entry = {top_ids[i][j]: top_vals[i][j] for j in range(self.num_top[i])}

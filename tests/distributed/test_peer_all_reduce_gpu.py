@@ -1,4 +1,4 @@
-"""The peer-to-peer all-reduce of small sums (distributed.PeerAllReduce) on 2 and 4 GPUs: the same bits as the
+"""The peer-to-peer all-reduce of small sums (peer_all_reduce.PeerAllReduce) on 2 and 4 GPUs: the same bits as the
 sum over the ranks in rank order, in place, in and out of CUDA graphs, with the two channels running at once
 on two streams; larger sums and other ops through NCCL; a second group of one long-lived rank 0 (marked gpu
 and multigpu)."""
@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from loraserve.distributed import MAIN, PEER_ALL_REDUCE_BYTES, SIDE, ParallelGroup, host_store, join_store
+from loraserve.distributed import ParallelGroup, host_store, join_store
+from loraserve.peer_all_reduce import MAIN, PEER_ALL_REDUCE_BYTES, SIDE
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multigpu]
 
@@ -29,12 +30,27 @@ def _in_rank_order(size: int, shape, dtype, device) -> torch.Tensor:
     return total
 
 
+class _Counted:
+    """The group's PeerAllReduce, counting the sums it takes (the rest went through NCCL)."""
+
+    def __init__(self, peer):
+        self.peer, self.calls = peer, 0
+
+    def fits(self, x):
+        return self.peer.fits(x)
+
+    def __call__(self, x, channel):
+        self.calls += 1
+        self.peer(x, channel)
+
+
 def _rank(rank: int, size: int, port: int, failures) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     group = ParallelGroup.connect(join_store(port, size), rank, size, device)
     try:
         assert group._peer is not None, "peer-to-peer all-reduce not set up"
+        group._peer = counted = _Counted(group._peer)
         for dtype in (torch.float32, torch.bfloat16):
             for shape in SHAPES:
                 x = _inputs(rank, shape, dtype, device)
@@ -57,10 +73,12 @@ def _rank(rank: int, size: int, port: int, failures) -> None:
         torch.cuda.synchronize()
         torch.testing.assert_close(a, _in_rank_order(size, (32, 8192), torch.float32, device), rtol=0, atol=0)
         torch.testing.assert_close(b, _in_rank_order(size, (32, 16), torch.float32, device), rtol=0, atol=0)
+        assert counted.calls == 2 * len(SHAPES) + 2  # every sum so far took the peer path (two in the capture)
         big = torch.full((PEER_ALL_REDUCE_BYTES // 4 + 4,), float(rank + 1), device=device)  # through NCCL
         group.all_reduce(big)
         top = group.all_reduce(torch.tensor([rank], device=device), "max")
         assert big.eq(size * (size + 1) / 2).all() and top.item() == size - 1
+        assert counted.calls == 2 * len(SHAPES) + 2  # neither the larger sum nor the max
         torch.cuda.synchronize()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")

@@ -19,10 +19,11 @@ import torch
 from hf_reference import assert_matches_reference, load_peft_model, teacher_forced_logprobs
 from model_fixtures import CONFIDENT_STEPS, WINDOW, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
-from loraserve.distributed import GroupExchangeStore, ParallelGroup
+from loraserve.distributed import ParallelGroup
 from loraserve.models.loader import build_empty_model, open_model
 from loraserve.models.linear import (FP32_REDUCE_MAX_TOKENS, PackedColumnParallelLinear, QKVParallelLinear,
                                      RowParallelLinear)
+from loraserve.peer_all_reduce import GroupExchangeStore
 
 VOCAB = 1001
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

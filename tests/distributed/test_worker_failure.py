@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from loraserve import SamplingParams
 from loraserve.engine.async_engine import AsyncLLMEngine, EngineClosedError
 from loraserve.errors import WorkerDiedError
+from loraserve.worker.processes import TensorParallelWorkers
 from server_harness import free_port, wait_healthy
 from tp_driver import DRIVER, REPO, alive, run_exit, run_killed_worker, spawned_children, wait_gone
 
@@ -134,3 +136,28 @@ def test_async_engine_turns_a_dead_engine_into_503s_and_tells_its_owner():
     engine.shutdown()  # joins the engine thread, which tells its owner last
     assert not engine.is_alive()
     assert len(dead) == 1 and isinstance(dead[0], WorkerDiedError)
+
+
+class _NeverDone:
+    """A device event that never happens (rank 0's device waiting for good in a dead rank's collective)."""
+
+    def __init__(self, after: int | None = None):
+        self.queries, self.after = 0, after
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.after is not None and self.queries > self.after
+
+
+def test_waiting_for_a_step_ends_when_a_worker_dies():
+    """Rank 0 waits for a step's results by polling: the wait returns once the event has happened, and a
+    worker's death ends a wait for an event that never happens with that worker's WorkerDiedError."""
+    workers = TensorParallelWorkers.__new__(TensorParallelWorkers)  # the monitor's state only: no processes
+    workers._failed, workers._failure = threading.Event(), None
+    done = _NeverDone(after=3)
+    TensorParallelWorkers.wait_for(workers, done)
+    assert done.queries == 4
+    workers._failure = "tensor-parallel worker 1 of 2 (pid 7) died with exit code -9"
+    threading.Timer(0.2, workers._failed.set).start()
+    with pytest.raises(WorkerDiedError, match="worker 1 of 2"):
+        TensorParallelWorkers.wait_for(workers, _NeverDone())
