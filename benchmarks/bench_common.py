@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from loraserve import LoRARequest, SamplingParams
 from loraserve.distributed import ParallelGroup, host_store, join_store
 from loraserve.lora.synthetic import random_adapter
+from loraserve.models.linear import FP32_REDUCE_MAX_TOKENS
 from loraserve.models.loader import open_model
 
 DISTINCT_WEIGHTS = 8  # adapters with distinct random weights; names beyond repeat them (generating is slow)
@@ -151,12 +152,15 @@ def _collective_rank(rank: int, size: int, port: int, shape: tuple[int, int], ga
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     group = ParallelGroup.connect(join_store(port, size), rank, size, device, custom_all_reduce)
-    x = torch.zeros(shape, dtype=dtype, device=device)  # [B, D]
+    embedded = torch.zeros(shape, dtype=dtype, device=device)  # [B, D]
+    rows_fp32 = dtype != torch.float32 and shape[0] <= FP32_REDUCE_MAX_TOKENS  # as RowParallelLinear sums
+    partial = torch.zeros(shape, dtype=torch.float32 if rows_fp32 else dtype, device=device)  # [B, D]
     logits = torch.zeros(shape[0], gather_cols, dtype=dtype, device=device)  # [B, V / size]
 
     def reduces():
-        for _ in range(count):
-            group.all_reduce(x)
+        group.all_reduce(embedded)
+        for _ in range(count - 1):
+            group.all_reduce(partial)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -179,9 +183,11 @@ def _collective_rank(rank: int, size: int, port: int, shape: tuple[int, int], ga
 def collective_seconds(size: int, batch: int, hidden: int, num_layers: int, vocab: int, dtype: torch.dtype,
                        custom_all_reduce: bool = True) -> dict:
     """The collectives of one decode step of `batch` rows at `size` ranks (GPUs 0..size-1), timed alone: the
-    embedding's all-reduce and two per layer of [batch, hidden] replayed in one CUDA graph (as the decode graphs
-    hold them; through the peer-to-peer path unless `custom_all_reduce` is off), and the logits' all-gather of
-    [batch, vocab / size] (eager, as the engine runs it). Run it while no engine holds those GPUs."""
+    embedding's all-reduce (in `dtype`) and two per layer of [batch, hidden] (the row-parallel layers' partial
+    sums: in fp32 up to FP32_REDUCE_MAX_TOKENS rows, as the model sums them) replayed in one CUDA graph (as
+    the decode graphs hold them; through the peer-to-peer path unless `custom_all_reduce` is off), and the
+    logits' all-gather of [batch, vocab / size] (eager, as the engine runs it). Run it while no engine holds
+    those GPUs."""
     store = host_store(size)
     context = torch.multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
