@@ -70,19 +70,25 @@ class ParallelGroup:
         group = cls(rank, size, device, backend)
         group.barrier()  # every rank is there (and NCCL's communicator is made now, not inside a graph capture)
         if custom_all_reduce and group.agree([int(PeerAllReduce.possible(device, size))], "min")[0]:
-            try:  # a rank that fails alone leaves the others in the exchange until STORE_TIMEOUT
-                peer = PeerAllReduce.connect(dist.PrefixStore("peer", prefixed), rank, size, device, backend)
-            except RuntimeError as exc:
-                logger.warning("all-reduces through NCCL only: the peer-to-peer buffers failed (%s)", exc)
-                peer = None
-            if group.agree([int(peer is not None)], "min")[0]:
-                group._peer = peer
-                if rank == 0:
-                    logger.info("tensor parallelism: sums of up to %d KiB (fp32, bf16) peer to peer, the rest "
-                                "through NCCL", PEER_ALL_REDUCE_BYTES >> 10)
-            elif peer is not None:
-                peer.close()
+            group._join_peer(dist.PrefixStore("peer", prefixed))
         return group
+
+    def _join_peer(self, store: dist.Store) -> None:
+        """Set up the peer-to-peer path with the other ranks (a collective); it is taken only if every rank's
+        buffers were made, else every sum goes through NCCL."""
+        try:  # a rank that fails alone leaves the others in the exchange until STORE_TIMEOUT
+            peer = PeerAllReduce.connect(store, self.rank, self.size, self.device, self._backend)
+        except RuntimeError as exc:
+            logger.warning("all-reduces through NCCL only: the peer-to-peer buffers failed (%s)", exc)
+            peer = None
+        if not self.agree([int(peer is not None)], "min")[0]:
+            if peer is not None:
+                peer.close()
+            return
+        self._peer = peer
+        if self.rank == 0:
+            logger.info("tensor parallelism: sums of up to %d KiB (fp32, bf16) peer to peer, the rest through "
+                        "NCCL", PEER_ALL_REDUCE_BYTES >> 10)
 
     # -- collectives (no-ops for a group of one) -------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: str = "sum", channel: int = MAIN) -> torch.Tensor:

@@ -80,12 +80,10 @@ class PeerAllReduce:
     def possible(device: torch.device, size: int) -> bool:
         """Whether this rank can take part: CUDA, a group of 2, 4 or 8, torch with the one-shot op, and peer
         access (NVLink or PCIe) to every other GPU of the group."""
-        if device.type != "cuda" or size not in (2, 4, 8) or symm_mem is None:
-            return False
-        if not (hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
-                and hasattr(_SymmetricMemory, "set_group_info")):
-            return False
-        return all(torch.cuda.can_device_access_peer(device.index, d) for d in range(size) if d != device.index)
+        return (device.type == "cuda" and size in (2, 4, 8) and symm_mem is not None
+                and hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+                and hasattr(_SymmetricMemory, "set_group_info")
+                and all(torch.cuda.can_device_access_peer(device.index, d) for d in range(size) if d != device.index))
 
     @classmethod
     def connect(cls, store: dist.Store, rank: int, size: int, device: torch.device,
