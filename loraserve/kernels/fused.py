@@ -56,7 +56,8 @@ def _rms_norm_kernel(
     HAS_DELTA: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     pre_w_ptr, PRE_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
-    """One program per row: x (+ delta, rounded), (PRE_NORM: x = norm(x) with pre_w, rounded),
+    """One program per row: x (rounded to the residual's dtype first: it may be a row-parallel fp32 sum)
+    (+ delta, rounded), (PRE_NORM: x = norm(x) with pre_w, rounded),
     s = x (+ residual, rounded), out = w * (s * rsqrt(mean(s^2) + eps)).to(dtype)
     (UNIT_OFFSET: out = ((s * rsqrt(mean(s^2) + eps)) * (1 + w)).to(dtype), all in fp32)."""
     if PDL:  # launched early: wait for the kernel before it (it wrote x) before anything else
@@ -65,8 +66,11 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_D)
     mask = cols < dim
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)  # [BLOCK_D]
-    dtype = x.dtype
-    xf = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        dtype = res_ptr.dtype.element_ty
+    else:
+        dtype = x.dtype
+    xf = x.to(dtype).to(tl.float32)
     if HAS_DELTA:
         d = tl.load(delta_ptr + row * stride_delta + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_D]
         xf = (xf + d).to(dtype).to(tl.float32)
@@ -100,9 +104,11 @@ def rms_norm(
     """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
 
     With a residual, ``s = x + residual`` is computed in fp32, rounded to
-    ``x.dtype`` and returned as the new residual; the norm is taken of ``s``.
-    The output dtype is ``promote_types(x.dtype, weight.dtype)`` as in torch (x's dtype with
-    ``unit_offset``, as Gemma's ``type_as``).
+    the residual's dtype and returned as the new residual; the norm is taken of ``s``.
+    x may then be float32 (a row-parallel layer's unrounded sum): it is rounded
+    to the residual's dtype first. The output dtype is ``promote_types(dtype,
+    weight.dtype)`` as in torch (``dtype`` with ``unit_offset``, as Gemma's
+    ``type_as``), ``dtype`` the residual's (without one, x's).
     Every op rounds as torch's does except the fp32 sum of squares, whose
     order differs: rstd may differ in its last bits, so the normalized value
     can be one ulp off the reference (rarely), and the output after the weight
@@ -111,14 +117,16 @@ def rms_norm(
     num_tokens, dim = x.shape
     assert x.stride(-1) == 1 and weight.is_contiguous() and weight.shape == (dim,)
     assert pre_weight is None or (pre_weight.is_contiguous() and pre_weight.shape == (dim,))
-    out_dtype = x.dtype if unit_offset else torch.promote_types(x.dtype, weight.dtype)
+    dtype = x.dtype if residual is None else residual.dtype  # the model's: x may be an fp32 sum to round first
+    out_dtype = dtype if unit_offset else torch.promote_types(dtype, weight.dtype)
     out = torch.empty((num_tokens, dim), dtype=out_dtype, device=x.device)
     res_out = None
     if x_delta is not None:
-        assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype in (torch.float32, x.dtype)
+        assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype in (torch.float32, dtype)
     if residual is not None:
         assert residual.shape == x.shape and residual.stride(-1) == 1
-        res_out = torch.empty((num_tokens, dim), dtype=x.dtype, device=x.device)
+        assert x.dtype in (dtype, torch.float32), f"x in {x.dtype} with a residual in {dtype}"
+        res_out = torch.empty((num_tokens, dim), dtype=dtype, device=x.device)
     if num_tokens == 0:
         return out, res_out
     block_d = next_power_of_2(dim)

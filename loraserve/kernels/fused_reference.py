@@ -31,7 +31,9 @@ def rms_norm_ref(
     pre_weight: torch.Tensor | None = None,  # [D]
     unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(RMSNorm(s), s or None) with ``s = x + residual`` rounded to ``x.dtype`` (``s = x`` without residual).
+    """(RMSNorm(s), s or None) with ``s = x + residual`` rounded to the residual's dtype (``s = x`` without
+    residual). With a residual, x may be float32 (a row-parallel layer's unrounded sum): it is rounded to the
+    residual's dtype first.
 
     RMSNorm as HF's Llama: ``w * (sf * rsqrt(mean(sf^2) + eps)).to(dtype)``, ``sf = s.float()``, the output
     dtype the promotion of x's and weight's dtypes; with ``unit_offset`` as HF's Gemma:
@@ -39,6 +41,8 @@ def rms_norm_ref(
     normalized alone with that weight (the same kind and eps) and rounded, before the residual add: Gemma's
     post-attention / post-feedforward norm followed by the residual add and the next norm.
     """
+    if residual is not None:
+        x = x.to(residual.dtype)
     x = with_delta(x, x_delta)
     if pre_weight is not None:
         x = _normalized(x, pre_weight, eps, unit_offset)

@@ -99,7 +99,7 @@ class LoRALinear(nn.Module):
             return self.base(x)  # no LoRA, or no adapter of the step has weights in this layer's page block
         side, meta = lora.side, lora.metas[self.page_block]
         if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
-            y = self.base(x).y
+            y = self.base(x).rounded(x.dtype)
             if self.factored and x.is_cuda:
                 factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
                 if self.reduce is not None:
@@ -115,7 +115,7 @@ class LoRALinear(nn.Module):
         if self._fork is None:
             self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         self._fork.record(side.main)  # x, the metadata and the adapter weights are ready
-        if self.gemm_first:
+        if self.gemm_first:  # y: a row-parallel layer's fp32 sum stays unrounded (its norm rounds it: LinearOutput)
             y = self.base(x).y
             delta = self._launch_on_side(x, meta, side)
         else:

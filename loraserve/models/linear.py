@@ -52,9 +52,18 @@ class LinearOutput(NamedTuple):
     whose consumer can expand it passes the product as its factors instead
     (LoRAFactors: the shrink's output and the layer's B pages; same rounding).
     None: y is complete.
+
+    A row-parallel layer's y at decode sizes is its ranks' fp32 sum, not yet
+    rounded: its consumer, the next RMSNorm with its residual add, rounds it to
+    the residual's dtype first (one kernel less per such layer than rounding it
+    here). Use `rounded` where y itself is needed in the model's dtype.
     """
 
-    y: torch.Tensor  # [T, N]
+    def rounded(self, dtype: torch.dtype) -> torch.Tensor:
+        """y in `dtype` (y itself when it has that dtype already)."""
+        return self.y.to(dtype)
+
+    y: torch.Tensor  # [T, N]; a row-parallel layer's fp32 sum, unrounded (RowParallelLinear.forward)
     delta: torch.Tensor | LoRAFactors | None  # [T, N] in y's dtype (or float32), its factors, or None
 
 
@@ -240,15 +249,15 @@ class RowParallelLinear(LinearBase):
         return self.input_part(a, rank), b
 
     def forward(self, x: torch.Tensor, ctx=None) -> LinearOutput:
-        # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum)
+        # x: [T, in / tp] -> y: [T, out], summed over the ranks (the bias added once, after the sum); at decode
+        # sizes without a bias y is the fp32 sum, left for the next norm to round (LinearOutput)
         if not self.tp.is_parallel:
             return LinearOutput(F.linear(x, self.weight, self.bias), None)
         in_fp32 = x.dtype != torch.float32 and x.shape[0] <= FP32_REDUCE_MAX_TOKENS
         y = fp32_product(x, self.weight) if in_fp32 else F.linear(x, self.weight)  # [T, out]
         self.tp.all_reduce(y)
-        y = y.to(x.dtype)  # the one rounding of an fp32 sum (a no-op otherwise)
         if self.bias is not None:
-            y = y + self.bias
+            y = y.to(x.dtype) + self.bias  # the one rounding of an fp32 sum, then the bias
         return LinearOutput(y, None)
 
 

@@ -264,8 +264,8 @@ class _SummingBackend:
 @pytest.mark.parametrize("tokens", [FP32_REDUCE_MAX_TOKENS, FP32_REDUCE_MAX_TOKENS + 1])
 def test_row_parallel_bf16_partials_are_summed_in_fp32_in_small_steps(tokens):
     """A bf16 row-parallel layer sums its ranks' unrounded fp32 partial products in steps of up to
-    FP32_REDUCE_MAX_TOKENS tokens (the result is the whole product rounded once to bf16) and bf16 partials in
-    larger steps."""
+    FP32_REDUCE_MAX_TOKENS tokens and leaves the sum unrounded for the next norm (rounded, it is the whole
+    product rounded once to bf16), and sums bf16 partials in larger steps."""
     gen = torch.Generator().manual_seed(0)
     size, inner, out = 2, 64, 32
     x = torch.randn(tokens, inner, generator=gen).bfloat16()
@@ -278,11 +278,13 @@ def test_row_parallel_bf16_partials_are_summed_in_fp32_in_small_steps(tokens):
         layers.append(layer.to(torch.bfloat16))
     cols = inner // size
     with ThreadPoolExecutor(size) as pool:
-        results = list(pool.map(lambda r: layers[r](x[:, r * cols:(r + 1) * cols]).y, range(size)))
+        results = list(pool.map(lambda r: layers[r](x[:, r * cols:(r + 1) * cols]), range(size)))
     small = tokens <= FP32_REDUCE_MAX_TOKENS
     assert all(p.dtype == (torch.float32 if small else torch.bfloat16) for p in backend.parts.values())
     whole = (x.float() @ w.float().T)  # [T, out] exact enough in fp32
-    for y in results:
+    for out in results:
+        assert out.y.dtype == (torch.float32 if small else torch.bfloat16)
+        y = out.rounded(torch.bfloat16)
         assert y.dtype == torch.bfloat16
         if small:
             assert torch.allclose(y.float(), whole.bfloat16().float(), rtol=0, atol=1e-3 * whole.abs().max())

@@ -139,6 +139,28 @@ def test_rms_norm_kernel(dim, with_residual):
         assert new_res is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEVICE == "cpu", reason="the interpreter does not round to bf16 as the GPU does"))])
+@pytest.mark.parametrize(("with_delta", "unit_offset", "with_pre"), [(False, False, False), (True, False, False),
+                                                                  (True, True, True)])
+def test_rms_norm_rounds_an_fp32_sum_to_the_residual_dtype_first(dtype, with_delta, unit_offset, with_pre):
+    """x in float32 with a half-precision residual (a row-parallel layer's unrounded sum): the kernel and the
+    reference each give what they give for x rounded to that dtype first, bit for bit, in that dtype."""
+    gen = torch.Generator().manual_seed(11)
+    dim = 72
+    x = 3 * rand(5, dim, gen=gen)  # float32, most values not bf16-representable
+    residual = rand(5, dim, dtype=dtype, gen=gen)
+    delta = 0.3 * rand(5, dim, gen=gen) if with_delta else None
+    weight = make_weight(dim, dtype, gen)
+    pre = make_weight(dim, dtype, gen) if with_pre else None
+    assert not torch.equal(x.to(dtype).float(), x)
+    for norm in (rms_norm_ref, rms_norm):
+        want, want_res = norm(x.to(dtype), weight, EPS, residual, delta, pre, unit_offset)
+        got, got_res = norm(x, weight, EPS, residual, delta, pre, unit_offset)
+        assert got.dtype == want.dtype == dtype and got_res.dtype == dtype
+        assert torch.equal(got, want) and torch.equal(got_res, want_res)
+
+
 def test_rms_norm_kernel_empty():
     out, new_res = rms_norm(torch.empty(0, 8, device=DEVICE), torch.ones(8, device=DEVICE), EPS)
     assert out.shape == (0, 8) and new_res is None
