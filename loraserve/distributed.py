@@ -103,17 +103,9 @@ class ParallelGroup:
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., N] on each rank -> [..., size * N]: the ranks' x side by side along the last dimension.
-        Small gathers (the logits of a decode step of a few rows) take the peer-to-peer path as a sum: each
-        rank's x in its own columns, zeros in the others (exact: every element is one rank's value plus zeros)."""
+        """[..., N] on each rank -> [..., size * N]: the ranks' x side by side along the last dimension."""
         if self.size == 1:
             return x
-        width = x.shape[-1]
-        if self._peer is not None and self.size * x.numel() * x.element_size() <= PEER_ALL_REDUCE_BYTES:
-            placed = torch.nn.functional.pad(x, (self.rank * width, (self.size - 1 - self.rank) * width))
-            if self._peer.fits(placed):  # [..., size * N]
-                self._peer(placed, MAIN)
-                return placed
         x = x.contiguous()
         gathered = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # [size * rows, ..., N]: one collective
         self._backend._allgather_base(gathered, x).wait()

@@ -79,14 +79,6 @@ def _rank(rank: int, size: int, port: int, failures) -> None:
         top = group.all_reduce(torch.tensor([rank], device=device), "max")
         assert big.eq(size * (size + 1) / 2).all() and top.item() == size - 1
         assert counted.calls == 2 * len(SHAPES) + 2  # neither the larger sum nor the max
-        # gathers along the last dimension: small ones as a peer-to-peer sum, exact; larger ones through NCCL
-        for dtype, shape, peer_path in ((torch.bfloat16, (1, 64128), True), (torch.float32, (3, 1000), True),
-                                        (torch.bfloat16, (64, 128256 // size), False)):
-            calls = counted.calls
-            x = _inputs(rank, shape, dtype, device)
-            want = torch.cat([_inputs(r, shape, dtype, device) for r in range(size)], dim=-1)
-            assert torch.equal(group.all_gather(x), want), (dtype, shape)
-            assert counted.calls == calls + peer_path, (dtype, shape)
         torch.cuda.synchronize()
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
