@@ -99,7 +99,9 @@ def measured(rows, mode, batch, ctx, tp: int = 1) -> dict | None:
 
 FLOOR_TARGET = 1.15  # base decode ITL at batch 1 (CUDA graphs) <= this times the byte floor
 TP_TARGETS = {2: 0.6}  # batch-1 graph ITL at N ranks <= this times one rank's (synthetic Llama-3-8B)
-TP_FLOOR_TARGET = 1.3  # batch-1 graph ITL at N ranks <= this times (its rank's byte floor + the step's collectives)
+# batch-1 graph ITL at N ranks <= this times (its rank's byte floor + the step's collectives) (synthetic Llama-3-70B);
+# at other sizes the ratio is printed for information
+TP_FLOOR_TARGETS = {4: 1.3}
 
 
 def make_checks(rows: list[dict], contexts: list[int], sizes: list[int], collectives: dict) -> list[bc.Check]:
@@ -122,13 +124,15 @@ def make_checks(rows: list[dict], contexts: list[int], sizes: list[int], collect
             continue
         gn = measured(rows, "graphs", 1, ctx, tp)
         name = f"batch-1 ctx-{ctx} graph ITL, {tp} ranks / (rank byte floor + collectives)"
+        target = TP_FLOOR_TARGETS.get(tp)
         if gn is None:
-            checks.append(bc.Check(name, "not measured", f"<= {TP_FLOOR_TARGET}", None))
+            checks.append(bc.Check(name, "not measured", f"<= {target}" if target else "-", None))
         else:
             bound = gn["floor_s"] + collectives[tp]["collective_s"]
             checks.append(bc.Check(name, f"{gn['itl_s'] / bound:.3f} ({1e3 * gn['itl_s']:.2f} ms vs "
                                          f"{1e3 * gn['floor_s']:.2f} + {1e3 * collectives[tp]['collective_s']:.2f} ms)",
-                                   f"<= {TP_FLOOR_TARGET}", gn["itl_s"] / bound <= TP_FLOOR_TARGET))
+                                   f"<= {target}" if target else "none set",
+                                   gn["itl_s"] / bound <= target if target else None))
         name, target = f"batch-1 ctx-{ctx} graph ITL, {tp} ranks / 1 rank", TP_TARGETS.get(tp)
         if gn is None or g1 is None:
             checks.append(bc.Check(name, "not measured", f"<= {target}" if target else "-", None))
