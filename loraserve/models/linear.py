@@ -59,12 +59,12 @@ class LinearOutput(NamedTuple):
     here). Use `rounded` where y itself is needed in the model's dtype.
     """
 
+    y: torch.Tensor  # [T, N]; at decode sizes a row-parallel layer's unrounded fp32 sum (RowParallelLinear)
+    delta: torch.Tensor | LoRAFactors | None  # [T, N] in y's dtype (or float32), its factors, or None
+
     def rounded(self, dtype: torch.dtype) -> torch.Tensor:
         """y in `dtype` (y itself when it has that dtype already)."""
         return self.y.to(dtype)
-
-    y: torch.Tensor  # [T, N]; a row-parallel layer's fp32 sum, unrounded (RowParallelLinear.forward)
-    delta: torch.Tensor | LoRAFactors | None  # [T, N] in y's dtype (or float32), its factors, or None
 
 
 class LinearBase(nn.Module):
