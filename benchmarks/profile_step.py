@@ -14,9 +14,10 @@ few more run under the torch profiler, whose kernel times are summed by kind: GE
 shrink, LoRA expand, fused elementwise ops, other kernels; "GPU idle" is the step's wall time that no
 kernel covers (host work the GPU waits for). Prints one table per step kind and the LoRA/base ratio of
 step time; writes profile_step.json to --out. The ops that expand a layer's LoRA factors (rotary, RMSNorm,
-SiLU*mul) count as elementwise. --factored-only LAYERS runs the LoRA engine's steps again with only those
-packed layers passing factors to the next op (the others adding their product in place), e.g.
-`--factored-only gate_up_proj`, or `--factored-only none`.
+SiLU*mul) count as elementwise; the kernels that place the products' factors beside x and W (the products
+summed inside the base GEMMs) as other. --factored-only LAYERS runs the LoRA engine's steps again without
+the products in the GEMMs, with only those packed layers passing factors to the next op (the others adding
+their product in place), e.g. `--factored-only gate_up_proj`, or `--factored-only none`.
 
     python benchmarks/profile_step.py --model synthetic:llama-3-8b --adapters 8
     python benchmarks/profile_step.py --model synthetic:llama-3-8b --adapters 64 --lora-rank 8,16,32,64
@@ -66,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per case (median)")
     p.add_argument("--profiled-steps", type=int, default=3)
     p.add_argument("--factored-only", type=bc.str_list, default=None,
-                   help="also run the LoRA steps with only these packed layers passing factors ('none': no layer)")
+                   help="also run the LoRA steps without the products in the GEMMs, only these packed layers passing "
+                        "factors ('none': no layer)")
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.profiled_steps = 2, 1
@@ -169,14 +171,17 @@ def run_engine(args, lora: bool, device) -> dict:
     rng = np.random.default_rng(args.seed)
     results = {"lora" if lora else "base": run_cases(engine, args, adapters, rng)}
     if lora and args.factored_only is not None:
-        layers = [layer for _, layer in engine.lora_manager.runtime.layers]
-        default = [layer.factored for layer in layers]
+        runtime = engine.lora_manager.runtime
+        layers = [layer for _, layer in runtime.layers]
+        default, in_gemms = [layer.factored for layer in layers], runtime.gemm_columns
+        runtime.gemm_columns = False
         packed = {tuple(slices): name for name, slices in engine.runner.model.packed_modules.items()}
         for layer in layers:  # a packed layer by its name (qkv_proj), another by its module's (o_proj)
             layer.factored = packed.get(layer.slice_names, layer.slice_names[0]) in args.factored_only
         results[f"lora, factored: {','.join(args.factored_only)}"] = run_cases(engine, args, adapters, rng)
         for layer, factored in zip(layers, default):
             layer.factored = factored
+        runtime.gemm_columns = in_gemms
     del engine
     bc.release_memory()
     return results

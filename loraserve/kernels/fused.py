@@ -92,6 +92,12 @@ def _rms_norm_kernel(
 _rms_norm_launch = CachedLauncher(_rms_norm_kernel)
 
 
+def with_columns(rows: int, width: int, columns: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialized [rows, width] tensor whose rows have `columns` more columns of room after width (a view
+    of [rows, width + columns]): where the next LoRA layer puts its step's products (lora/layers.py)."""
+    return torch.empty((rows, width + columns), dtype=dtype, device=device)[:, :width]
+
+
 def rms_norm(
     x: torch.Tensor,  # [T, D]
     weight: torch.Tensor,  # [D]
@@ -100,6 +106,7 @@ def rms_norm(
     x_delta: torch.Tensor | None = None,  # [T, D] float32 or x's dtype
     pre_weight: torch.Tensor | None = None,  # [D]: x is first normalized with this weight (before the residual)
     unit_offset: bool = False,  # Gemma: (1 + w) * x in fp32, rounded once
+    columns: int = 0,  # out's rows have this many more columns of room after D (lora/layers.py: input_columns)
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(out [T, D], new residual [T, D] or None) in one launch; see ``rms_norm_ref``.
 
@@ -119,7 +126,7 @@ def rms_norm(
     assert pre_weight is None or (pre_weight.is_contiguous() and pre_weight.shape == (dim,))
     dtype = x.dtype if residual is None else residual.dtype  # the model's: x may be an fp32 sum to round first
     out_dtype = dtype if unit_offset else torch.promote_types(dtype, weight.dtype)
-    out = torch.empty((num_tokens, dim), dtype=out_dtype, device=x.device)
+    out = with_columns(num_tokens, dim, columns, out_dtype, x.device)
     res_out = None
     if x_delta is not None:
         assert x_delta.shape == x.shape and x_delta.stride(-1) == 1 and x_delta.dtype in (torch.float32, dtype)
@@ -196,7 +203,7 @@ _silu_and_mul_launch = CachedLauncher(_silu_and_mul_kernel)
 
 
 def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None,
-                 activation: str = "silu") -> torch.Tensor:
+                 activation: str = "silu", columns: int = 0) -> torch.Tensor:
     """[T, 2I] (+ delta [T, 2I], float32 or the input dtype, or LoRA factors) -> [T, I]: ``silu(gate) * up``
     in one launch; see ``silu_and_mul_ref``. LoRA factors are expanded in the same launch, rounded to the
     input dtype before they are added (what their dense delta gives).
@@ -205,12 +212,13 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None
     libdevice, as torch computes it) rounded to the input dtype, then the
     product is rounded: bit for bit with torch on the GPU. Triton's
     interpreter has no libdevice and uses ``tl.exp`` (within an fp32 ulp).
-    ``activation="gelu_tanh"``: ``gelu_tanh_and_mul``.
+    ``activation="gelu_tanh"``: ``gelu_tanh_and_mul``. ``columns``: the output's rows have that many more
+    columns of room after I (lora/layers.py: input_columns).
     """
     num_tokens, two_inter = gate_up.shape
     assert gate_up.stride(-1) == 1 and two_inter % 2 == 0
     inter = two_inter // 2
-    out = torch.empty((num_tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
+    out = with_columns(num_tokens, inter, columns, gate_up.dtype, gate_up.device)
     if isinstance(delta, LoRAFactors):
         if num_tokens:
             _silu_and_mul_factors(gate_up, delta, out, gelu_tanh=activation == "gelu_tanh")
@@ -227,12 +235,13 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None
     return out
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
+def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None,
+                      columns: int = 0) -> torch.Tensor:
     """[T, 2I] (+ delta or LoRA factors, as silu_and_mul) -> [T, I]: ``gelu_tanh(gate) * up`` in one launch
     (Gemma's MLP); see ``gelu_tanh_and_mul_ref``. GeLU's tanh approximation is computed in fp32 (tanh: CUDA's
     ``tanhf``, or in the interpreter ``1 - 2 / (exp(2x) + 1)``) and rounded to the input dtype, then the
     product is rounded, as torch's ``gelu(approximate="tanh")`` and the multiply round."""
-    return silu_and_mul(gate_up, delta, activation="gelu_tanh")
+    return silu_and_mul(gate_up, delta, activation="gelu_tanh", columns=columns)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -53,6 +53,9 @@ class LoRAMeta:
                       split-K shrink counts its finished programs per (token tile, row tile) here
                       and its last program puts the count back to 0. Launches that share these
                       counters must run one after another (stream-ordered, as the engine's are).
+    slot_columns:     [L+1] int32, where slot l's rank rows begin when the step's adapters lie side by side
+                      (each as wide as its largest rank; entry k.. of the k slots: their total), or None:
+                      the products as extra columns of the base GEMM (lora_columns)
     """
 
     token_slots: torch.Tensor
@@ -64,6 +67,7 @@ class LoRAMeta:
     tile_counts: torch.Tensor
     page_table: torch.Tensor
     tile_counters: torch.Tensor
+    slot_columns: torch.Tensor | None = None
 
     @property
     def rank_width(self) -> int:

@@ -15,11 +15,17 @@ layer alone): with a side stream and at most its scratch's max_tokens tokens
 into a delta that the next op adds (models.linear.LinearOutput) while the base
 GEMM runs on the forward's stream; the two join before the next op. The q/k/v
 layer issues its GEMM first, the others their LoRA kernels first
-(GEMM_FIRST_LAYERS). In larger (prefill) steps the layers of FACTORED_LAYERS
-pass the product on as factors, expanded by the next op as it reads the base
-output; the others, and every layer on the CPU, add the product into the base
-output in place, in order. All give the same numbers (the factored product up
-to the order of its sums: the rounding of the product can differ by one step).
+(GEMM_FIRST_LAYERS). In larger (prefill) steps on one GPU, where the step's
+adapters fit GEMM_COLUMNS extra columns, the product is summed inside the base
+GEMM: the op before the layer leaves room after x (`input_columns`), the shrink's
+output goes there and the adapters' B beside W (kernels/lora_columns.py), and one
+GEMM computes [x | z] @ [W | B]^T, rounded once. Otherwise in larger steps the
+layers of FACTORED_LAYERS pass the product on as factors, expanded by the next op
+as it reads the base output; the others, and every layer on the CPU, add the
+product into the base output in place, in order. All give the same numbers up to
+rounding: the in-place and delta paths round(y + round(product)), the factored
+product the same up to the order of its sums, the extra columns the whole sum
+rounded once (z rounded to the model's dtype first, as PEFT computes it).
 
 With tensor parallelism the pool holds this rank's part of each adapter (split
 as the base layer's weight: `LinearBase.lora_shard`); over a row-parallel base
@@ -28,9 +34,11 @@ layer the shrink's partial sums are all-reduced before the expand (`reduce`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loraserve.forward_context import ForwardContext
+from loraserve.kernels.lora_columns import padded_columns, place_b, place_factors
 from loraserve.kernels.lora_meta import LoRAMeta
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref, lora_factors
 from loraserve.lora.side_stream import BoundLoRADelta, LoRAScratch, LoRASideStream, lora_delta
@@ -46,6 +54,11 @@ GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
 # the side stream takes, they run the shrink only and pass its output on; the expand happens as the consumer
 # reads the base output (gate/up: silu_and_mul), instead of a read-modify-write of the whole output.
 FACTORED_LAYERS = frozenset({"gate_up_proj"})
+# The most extra input columns a layer's GEMM takes for its step's adapters in larger steps (the sum of their
+# ranks times the layer's slices, rounded up to lora_columns.COLUMN_ALIGN): 8 adapters of rank 16 on q/k/v take
+# 384. Each layer keeps W with this many columns of room beside it ([N, K + GEMM_COLUMNS]): 1.4 GB for
+# Llama-3-8B in bf16. Steps whose adapters need more run the product as below.
+GEMM_COLUMNS = 512
 
 
 class LoRALinear(nn.Module):
@@ -71,6 +84,11 @@ class LoRALinear(nn.Module):
         self._join: torch.cuda.Event | None = None
         # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
         self._bound: dict[int, BoundLoRADelta] = {}
+        # larger steps: W with room for GEMM_COLUMNS columns of the step's B beside it ([N, K + GEMM_COLUMNS],
+        # the base layer's weight a view of its first K columns), and slice_offsets on the device; None: unused
+        self.w_columns: torch.Tensor | None = None
+        self._offsets_dev: torch.Tensor | None = None
+        self._placed: tuple | None = None  # the LoRABatch.columns_key whose B w_columns holds
 
     def bind_pool(self, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor, rank_width: int,
                   page_block: int) -> None:
@@ -78,6 +96,34 @@ class LoRALinear(nn.Module):
         table (once, before any forward pass with LoRA)."""
         self.lora_a, self.lora_b, self.lora_rank, self.rank_width = lora_a, lora_b, lora_rank, rank_width
         self.page_block = page_block
+
+    def enable_columns(self, max_columns: int = GEMM_COLUMNS) -> None:
+        """Give the base weight room for `max_columns` extra input columns (CUDA, one GPU): larger steps then sum
+        their LoRA products inside the base GEMM where the step's adapters fit (`input_columns`)."""
+        weight = self.base.weight  # [N, K]
+        w_columns = torch.zeros(weight.shape[0], weight.shape[1] + max_columns, dtype=weight.dtype,
+                                device=weight.device)  # [N, K + max_columns]
+        w_columns[:, :weight.shape[1]].copy_(weight)
+        self.base.weight = nn.Parameter(w_columns[:, :weight.shape[1]], requires_grad=False)
+        self.w_columns = w_columns
+        self._offsets_dev = torch.tensor(self.slice_offsets, dtype=torch.int32, device=weight.device)
+
+    def input_columns(self, ctx: ForwardContext | None, num_tokens: int) -> int:
+        """C: the extra columns this layer's input of num_tokens rows should have after in_features in this pass
+        (the op before it allocates them), where its step's LoRA products go; 0: none."""
+        lora = ctx.lora if ctx is not None else None
+        if self.w_columns is None or lora is None or not lora.columns or not self._in_order(lora, num_tokens):
+            return 0
+        if lora.active is not None and not lora.active[self.page_block]:
+            return 0
+        extra = padded_columns(len(self.slice_names), lora.columns)
+        return extra if extra <= self.w_columns.shape[1] - self.in_features else 0
+
+    @staticmethod
+    def _in_order(lora, num_tokens: int) -> bool:
+        """Whether a pass of num_tokens runs the product in order on the forward's stream (not beside the GEMM)."""
+        side = lora.side
+        return side is None or not 0 < num_tokens <= side.scratch.max_tokens
 
     @property
     def in_features(self) -> int:
@@ -98,7 +144,10 @@ class LoRALinear(nn.Module):
         if lora is None or (lora.active is not None and not lora.active[self.page_block]):
             return self.base(x)  # no LoRA, or no adapter of the step has weights in this layer's page block
         side, meta = lora.side, lora.metas[self.page_block]
-        if side is None or not 0 < x.shape[0] <= side.scratch.max_tokens:
+        if self._in_order(lora, x.shape[0]):
+            extra = self.input_columns(ctx, x.shape[0])
+            if extra and x.is_cuda and x.stride(0) == self.in_features + extra:  # room left after x by the op before
+                return self._forward_columns(x, lora, meta, extra)
             y = self.base(x).rounded(x.dtype)
             if self.factored and x.is_cuda:
                 factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
@@ -109,6 +158,18 @@ class LoRALinear(nn.Module):
             apply(x, y, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets, self.reduce)
             return LinearOutput(y, None)
         return self._forward_beside(x, meta, side)
+
+    def _forward_columns(self, x: torch.Tensor, lora, meta: LoRAMeta, extra: int) -> LinearOutput:
+        # x: [T, K] with `extra` columns of room after each row -> y: [T, N], the product summed in the GEMM
+        k = self.in_features
+        x_aug = x.as_strided((x.shape[0], k + extra), (k + extra, 1))  # [T, K + C]
+        factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
+        place_factors(factors.inter, meta, self.lora_rank, lora.columns, x_aug, k)
+        if not lora.columns_key or lora.columns_key != self._placed:  # the step's B not beside W yet
+            place_b(self.lora_b, meta, self.lora_rank, self._offsets_dev, lora.num_slots, lora.columns,
+                    self.w_columns, k)
+            self._placed = lora.columns_key
+        return LinearOutput(F.linear(x_aug, self.w_columns[:, :k + extra], self.base.bias), None)
 
     def _forward_beside(self, x: torch.Tensor, meta: LoRAMeta, side: LoRASideStream) -> LinearOutput:
         # x: [T, in] -> y: [T, N], delta: [T, N] a view of the side stream's scratch, valid until the next layer's

@@ -33,7 +33,7 @@ class LoRAMetaBuilder:
     """
 
     def __init__(self, max_tokens: int, max_loras: int, page_table: torch.Tensor | tuple[torch.Tensor, ...],
-                 block_targets: np.ndarray | None = None):
+                 block_targets: np.ndarray | None = None, adapter_ranks: np.ndarray | None = None):
         if max_tokens < 1 or max_loras < 1:
             raise ValueError(
                 f"max_tokens and max_loras must be >= 1, got {max_tokens}, {max_loras}")
@@ -44,6 +44,9 @@ class LoRAMetaBuilder:
             raise ValueError(f"block_targets must be [{tables[0].shape[0]}, {len(tables)}] (ids, page blocks), "
                              f"got {list(block_targets.shape)}")
         self.block_targets = block_targets
+        # [A] int32 on the host, the pool's, read at each build: each id's largest rank (the width of its columns
+        # when the step's adapters lie side by side: slot_columns); None: every id max_rank wide (the page table)
+        self.adapter_ranks = adapter_ranks
         self.num_tables = len(tables)
         self.max_tokens = max_tokens
         self.max_loras = max_loras
@@ -51,10 +54,10 @@ class LoRAMetaBuilder:
         self.device = tables[0].device
         # the tile maps' lengths: at most this many non-empty tiles (the slots' and the base group's)
         self._map_sizes = [-(-max_tokens // bm) + min(max_loras, max_tokens) + 1 for bm in TILE_BLOCKS]
-        size = 2 * max_tokens + 3 * (max_loras + 1) + 2 * len(TILE_BLOCKS) * self.num_tables + sum(self._map_sizes)
+        size = 2 * max_tokens + 4 * (max_loras + 1) + 2 * len(TILE_BLOCKS) * self.num_tables + sum(self._map_sizes)
         is_cuda = self.device.type == "cuda"
-        # buf: [size] int32 = token_slots | sorted_token_ids | slot_start | slot_count | slot_adapter | tile counts
-        # (per table) | tile maps
+        # buf: [size] int32 = token_slots | sorted_token_ids | slot_start | slot_count | slot_adapter | slot_columns
+        # | tile counts (per table) | tile maps
         self._device_buf = torch.full((size,), -1, dtype=torch.int32, device=self.device)
         self._staging = [torch.empty(size, dtype=torch.int32, pin_memory=is_cuda)
                          for _ in range(2 if is_cuda else 1)]
@@ -63,18 +66,21 @@ class LoRAMetaBuilder:
         # counters: [cdiv(Tmax, 16) + min(L, Tmax), COUNTER_ROW_TILES], one per shrink output tile
         tiles = -(-max_tokens // COUNTER_BLOCK_M) + min(max_loras, max_tokens)
         counters = torch.zeros(tiles, COUNTER_ROW_TILES, dtype=torch.int32, device=self.device)
-        *fields, maps, counts = self._split(self._device_buf)
-        self.metas = tuple(LoRAMeta(*fields, maps, counts[b], table, counters) for b, table in enumerate(tables))
+        *fields, columns, maps, counts = self._split(self._device_buf)
+        self.metas = tuple(LoRAMeta(*fields, maps, counts[b], table, counters, columns)
+                           for b, table in enumerate(tables))
         self.meta = self.metas[0]
         self.active: tuple[bool, ...] = (False,) * self.num_tables  # per block: an adapter of the last build in it
+        self.step_adapters = np.zeros(0, dtype=np.int64)  # the last build's distinct adapters, in slot order
+        self.step_columns = 0  # the last build's adapters side by side: the sum of their slot_columns widths
 
     def _split(self, buf):
-        """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, (tile maps),
-        tile counts [tables, len(TILE_BLOCKS), 2]."""
+        """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, slot_columns,
+        (tile maps), tile counts [tables, len(TILE_BLOCKS), 2]."""
         t, n = self.max_tokens, self.max_loras + 1
         views = [buf[:t], buf[t:2 * t], buf[2 * t:2 * t + n], buf[2 * t + n:2 * t + 2 * n],
-                 buf[2 * t + 2 * n:2 * t + 3 * n]]
-        offset = 2 * t + 3 * n
+                 buf[2 * t + 2 * n:2 * t + 3 * n], buf[2 * t + 3 * n:2 * t + 4 * n]]
+        offset = 2 * t + 4 * n
         size = 2 * len(TILE_BLOCKS) * self.num_tables
         counts = buf[offset:offset + size].view(self.num_tables, len(TILE_BLOCKS), 2)
         offset, maps = offset + size, []
@@ -109,7 +115,7 @@ class LoRAMetaBuilder:
             self._copy_done[index].synchronize()
         staging = self._staging[index]
         *fields, maps, tile_counts = self._split(staging)
-        ts, sorted_ids, start, count, adapter = (v.numpy() for v in fields)
+        ts, sorted_ids, start, count, adapter, columns = (v.numpy() for v in fields)
         tile_counts = tile_counts.numpy()
 
         # keys: [T], base tokens sort after every slot (the base group is slot L)
@@ -122,6 +128,12 @@ class LoRAMetaBuilder:
         start[:] = np.cumsum(count) - count
         adapter[:adapters.size] = adapters
         adapter[adapters.size:] = -1
+        widths = (self.adapter_ranks[adapters] if self.adapter_ranks is not None
+                  else np.full(adapters.size, self.metas[0].rank_width))  # [k] each slot's columns
+        columns[:adapters.size] = np.cumsum(widths) - widths
+        self.step_columns = int(widths.sum())
+        columns[adapters.size:] = self.step_columns
+        self.step_adapters = adapters
         groups = np.arange(self.max_loras + 1, dtype=np.int64)
         for i, (bm, tile_map) in enumerate(zip(TILE_BLOCKS, maps)):
             tiles = -(-count.astype(np.int64) // bm)  # [L+1] tiles per slot

@@ -267,6 +267,8 @@ class AdapterPool:
                                        pin_memory=self.device.type == "cuda")  # [A, blocks * pages]
         # which page blocks each id's adapter has weights in (host; the step metadata reads it: lora/metadata.py)
         self.block_targets = np.zeros((num_pages, layout.num_blocks), dtype=bool)  # [A, blocks]
+        self.adapter_ranks = np.zeros(num_pages, dtype=np.int32)  # [A] each id's largest rank (host, as above)
+        self.adapter_versions = np.zeros(num_pages, dtype=np.int64)  # [A] how many adapters each id was given
         self._free_pages = list(range(num_pages - 1, -1, -1))  # a stack: the lowest page first
         self._free_ids = list(range(num_pages - 1, -1, -1))
         self._pages_of: dict[int, list[int]] = {}  # adapter id -> its pages
@@ -333,6 +335,8 @@ class AdapterPool:
         self.ranks[:, adapter_id].copy_(packed.ranks, non_blocking=True)
         self.block_targets[adapter_id] = False
         self.block_targets[adapter_id, list(packed.row_blocks)] = True
+        self.adapter_ranks[adapter_id] = int(packed.ranks.max())
+        self.adapter_versions[adapter_id] += 1
 
     def release(self, adapter_id: int) -> None:
         """Return an adapter's pages and id to the free lists (bookkeeping only: no step refers to a released

@@ -11,7 +11,8 @@ The model runner speaks to it through three calls: `for_step(token_adapters)`
 before an eager forward pass (writes the step's token -> adapter metadata and
 returns the pass's LoRA state, the ForwardContext's `lora`, which also tells
 the layers of page blocks no adapter of the step has weights in to launch no
-LoRA kernels), `for_capture()`
+LoRA kernels, and on one GPU how wide the step's adapters lie side by side for
+larger steps to sum their products inside the base GEMMs), `for_capture()`
 when a CUDA graph is captured (the same static buffers), and
 `write_metadata(token_adapters)` before a graph replay (which reads the buffers
 as it left them). Adapters enter the pool with `pack` (host side, any thread)
@@ -37,7 +38,7 @@ from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.lora.adapter import LoRAAdapter
 from loraserve.lora.host_arena import HostArena
-from loraserve.lora.layers import FACTORED_LAYERS, GEMM_FIRST_LAYERS, LoRALinear
+from loraserve.lora.layers import FACTORED_LAYERS, GEMM_COLUMNS, GEMM_FIRST_LAYERS, LoRALinear
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.pool import AdapterPacker, AdapterPool, PackedAdapter, PageLayout, SliceWeights
 from loraserve.lora.side_stream import SIDE_STREAM_MAX_TOKENS, LoRAScratch, LoRASideStream
@@ -75,6 +76,13 @@ class LoRABatch:
     # per page block: whether an adapter of the step has weights in it (its layers run no LoRA kernels when not);
     # None: every block runs them (a pass captured into a graph, which later steps replay with other adapters)
     active: tuple[bool, ...] | None = None
+    # larger steps on one GPU: the step's adapters side by side, the sum of their ranks (LoRALinear.input_columns:
+    # the products as extra columns of the base GEMMs), and how many there are; 0: not in this pass
+    columns: int = 0
+    num_slots: int = 0
+    # which adapters those columns hold (ids and what each id was given): equal keys, equal columns, so a layer
+    # whose weight has the step's B beside it already need not place them again; (): place them
+    columns_key: tuple = ()
 
 
 @dataclass
@@ -148,6 +156,17 @@ class LoRARuntime:
             setattr(target.parent, target.attr, layer)
             self.layers.append((target.layer_index, layer))
             attrs.append(target.attr)
+        # one GPU: larger steps sum their LoRA products inside the base GEMMs (LoRALinear.enable_columns), whose
+        # weights take GEMM_COLUMNS more columns each, out of the KV cache's room
+        self.gemm_columns = self.device.type == "cuda" and not tp.is_parallel
+        if self.gemm_columns:
+            for _, layer in self.layers:
+                layer.enable_columns(GEMM_COLUMNS)
+            torch.cuda.empty_cache()  # the weights' former storage, back to the device for the KV cache
+            column_bytes = sum(layer.out_features * GEMM_COLUMNS for _, layer in self.layers) * self.dtype.itemsize
+            logger.info("LoRA in the GEMMs of larger steps: %.2f GiB of weight columns", column_bytes / 2**30)
+            if kv_room is not None:
+                kv_room = replace(kv_room, available=max(0, kv_room.available - column_bytes))
         layout = PageLayout([(attr, layer.in_features, layer.out_features, layer.slice_offsets)
                              for attr, (_, layer) in zip(attrs, self.layers)])
         self.pool = AdapterPool(layout, self._num_pages(layout, kv_room), config.max_lora_rank, self.dtype,
@@ -163,7 +182,7 @@ class LoRARuntime:
                     self.pool.page_bytes / 2**20, PAGE_RANK, layout.num_blocks,
                     self.pool.capacity_summary(), config.max_loras)
         self.metadata = LoRAMetaBuilder(max_step_tokens, config.max_loras,
-                                        self.pool.block_tables, self.pool.block_targets)
+                                        self.pool.block_tables, self.pool.block_targets, self.pool.adapter_ranks)
         self.side: LoRASideStream | None = None
         self._load_stream: torch.cuda.Stream | None = None
         if self.device.type == "cuda":
@@ -219,7 +238,15 @@ class LoRARuntime:
         no adapter of the step has weights in run without LoRA kernels, unless `every_block` (the start-up
         warm-up, which compiles them)."""
         metas = self.write_metadata(token_adapters)
-        return LoRABatch(metas, self._side_for_this_pass(), None if every_block else self.metadata.active)
+        active = None if every_block else self.metadata.active
+        adapters = self.metadata.step_adapters
+        if not self.gemm_columns or not adapters.size:
+            return LoRABatch(metas, self._side_for_this_pass(), active)
+        columns = self.metadata.step_columns
+        if every_block:
+            columns = max(columns, PAGE_RANK)  # the warm-up's adapter id holds nothing: compile that path anyway
+        key = (tuple(adapters.tolist()), tuple(self.pool.adapter_versions[adapters].tolist()))
+        return LoRABatch(metas, self._side_for_this_pass(), active, columns, int(adapters.size), key)
 
     def for_capture(self) -> LoRABatch:
         """The LoRA state of a pass captured into a CUDA graph: the static metadata buffers, not rewritten."""

@@ -7,6 +7,7 @@ from torch import nn
 from loraserve.forward_context import AttentionMetadata
 from loraserve.kernels.attention import default_configs, paged_decode_attention, paged_step_attention
 from loraserve.kernels.attention_reference import paged_attention_ref
+from loraserve.kernels.fused import with_columns
 from loraserve.kernels.fused_reference import QKNorm
 from loraserve.models.layers import RotaryEmbedding
 from loraserve.models.ops import rotary_and_cache
@@ -39,15 +40,15 @@ class PagedAttention(nn.Module):
         self.k_cache, self.v_cache = k_cache, v_cache
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, qkv_delta=None, qk_norm: QKNorm | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, qkv_delta=None, qk_norm: QKNorm | None = None, columns: int = 0) -> torch.Tensor:
         # positions: [T]; q: [T, H, hd]; k, v: [T, KVH, hd] (views of the packed qkv) -> [T, H * hd];
         # qkv_delta: LoRA deltas shaped as q, k, v, or None; qk_norm: per-head norms of q and k before rotary
         q = rotary_and_cache(q, k, v, positions, self.rotary.cos_sin, self.k_cache, self.v_cache,
                              meta.slot_mapping, qkv_delta, qk_norm)
         if meta.split is not None:  # a graph is being captured: the attention runs between two graphs
             return meta.split(self, q).reshape(q.shape[0], -1)
-        if q.is_cuda:
-            out = torch.empty_like(q)
+        if q.is_cuda:  # out [T, H, hd], with `columns` of room after each row (LinearBase.input_columns)
+            out = with_columns(q.shape[0], q.shape[1] * q.shape[2], columns, q.dtype, q.device).view(q.shape)
             self.attend(q, meta, out)
         else:
             out = paged_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.seq_lens,

@@ -19,7 +19,8 @@ class RMSNorm(nn.Module):
     With a residual, the residual add is fused in: returns (norm(x + residual), x + residual).
     x_delta (a LinearOutput's delta, float32 or x's dtype) is added to x first. x_norm: a norm of the same
     kind and eps that x still needs before the residual add (Gemma's post-attention and post-feedforward
-    norms), applied first in the same launch.
+    norms), applied first in the same launch. columns: room after each output row for the next LoRA layer's
+    products (LinearBase.input_columns).
     """
 
     def __init__(self, hidden_size: int, eps: float, unit_offset: bool = False):
@@ -28,13 +29,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, x_delta: torch.Tensor | None = None,
-                x_norm: RMSNorm | None = None):
+                x_norm: RMSNorm | None = None, columns: int = 0):
         # x, residual, x_delta: [T, D] -> (out [T, D], new residual [T, D] or None)
         pre_weight = None
         if x_norm is not None:
             assert (x_norm.eps, x_norm.unit_offset) == (self.eps, self.unit_offset), "norms of different kinds"
             pre_weight = x_norm.weight
-        return rms_norm(x, self.weight, self.eps, residual, x_delta, pre_weight, self.unit_offset)
+        return rms_norm(x, self.weight, self.eps, residual, x_delta, pre_weight, self.unit_offset, columns)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

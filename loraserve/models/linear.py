@@ -98,6 +98,11 @@ class LinearBase(nn.Module):
         """Rank `rank`'s part of a LoRA adapter's factors of slice `shard`: a [r, in], b [out, r] whole."""
         raise NotImplementedError
 
+    def input_columns(self, ctx, num_tokens: int) -> int:
+        """How many columns of room the op before this layer leaves after each row of its input of num_tokens
+        rows in this pass: 0 (the LoRA layer's own answer: loraserve.lora.layers.LoRALinear)."""
+        return 0
+
     def forward(self, x: torch.Tensor, ctx=None) -> LinearOutput:
         # x: [T, in] -> y: [T, out], no delta
         return LinearOutput(F.linear(x, self.weight, self.bias), None)

@@ -99,7 +99,8 @@ class LlamaAttention(nn.Module):
         qk_norm = None
         if self.qk_norm:  # after the LoRA deltas, before rotary: inside the rotary kernel
             qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.q_norm.unit_offset)
-        out = self.attn(positions, q, k, v, ctx.attn, deltas, qk_norm)  # [T, H * hd]
+        columns = self.o_proj.input_columns(ctx, x.shape[0])  # room for its LoRA products after each row
+        out = self.attn(positions, q, k, v, ctx.attn, deltas, qk_norm, columns)  # [T, H * hd]
         return self.o_proj(out, ctx)
 
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -120,7 +121,8 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> LinearOutput:
         # x: [T, D] -> down_proj's output [T, D] (and its LoRA delta)
         gate_up, gate_up_delta = self.gate_up_proj(x, ctx)  # [T, 2I] each
-        return self.down_proj(self.act_and_mul(gate_up, gate_up_delta), ctx)
+        columns = self.down_proj.input_columns(ctx, x.shape[0])  # room for its LoRA products after each row
+        return self.down_proj(self.act_and_mul(gate_up, gate_up_delta, columns), ctx)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,15 +151,18 @@ class LlamaDecoderLayer(nn.Module):
         # previous layer's output_norm, residual: [T, D] the stream before it (None at layer 0). Residual adds,
         # LoRA deltas and Gemma's output norms are fused into the next norm: exactly HF's
         # `residual + norm(x)` rounded to the dtype. Returns (x, x_delta, residual) for the next layer.
+        # each norm leaves room after its rows for the LoRA products of the layer it feeds (input_columns)
+        columns = self.self_attn.qkv_proj.input_columns(ctx, x.shape[0])
         if residual is None:
-            h, residual = self.input_layernorm(x)[0], x
+            h, residual = self.input_layernorm(x, columns=columns)[0], x
         else:
-            h, residual = self.input_layernorm(x, residual, x_delta, x_norm)
+            h, residual = self.input_layernorm(x, residual, x_delta, x_norm, columns)
         h, h_delta = self.self_attn(positions, h, ctx)
+        columns = self.mlp.gate_up_proj.input_columns(ctx, x.shape[0])
         if self.sandwich:
-            h, residual = self.pre_feedforward_layernorm(h, residual, h_delta, self.post_attention_layernorm)
+            h, residual = self.pre_feedforward_layernorm(h, residual, h_delta, self.post_attention_layernorm, columns)
         else:
-            h, residual = self.post_attention_layernorm(h, residual, h_delta)
+            h, residual = self.post_attention_layernorm(h, residual, h_delta, columns=columns)
         return *self.mlp(h, ctx), residual
 
 

@@ -16,27 +16,34 @@ from loraserve.kernels.lora_expand import LoRAFactors
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              x_delta: torch.Tensor | None = None, pre_weight: torch.Tensor | None = None,
-             unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             unit_offset: bool = False, columns: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(RMSNorm(x + residual), x + residual) or (RMSNorm(x), None); x, residual: [T, D].
 
     x_delta: [T, D] LoRA delta of x (float32 or x's dtype), added (rounded) before anything else; pre_weight:
-    [D] a norm of x alone before the residual add; unit_offset: Gemma's (1 + w) norms."""
+    [D] a norm of x alone before the residual add; unit_offset: Gemma's (1 + w) norms; columns (CUDA): room
+    after each output row for the next LoRA layer's products (lora/layers.py: input_columns)."""
     if x.is_cuda:
-        return fused.rms_norm(x, weight, eps, residual, x_delta, pre_weight, unit_offset)
+        return fused.rms_norm(x, weight, eps, residual, x_delta, pre_weight, unit_offset, columns)
+    assert not columns, "extra columns are a CUDA path"
     return rms_norm_ref(x, weight, eps, residual, x_delta, pre_weight, unit_offset)
 
 
-def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
-    """[T, 2I] (+ LoRA delta [T, 2I], or on CUDA its factors) -> [T, I]: silu(gate) * up."""
+def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None,
+                 columns: int = 0) -> torch.Tensor:
+    """[T, 2I] (+ LoRA delta [T, 2I], or on CUDA its factors) -> [T, I]: silu(gate) * up; columns as rms_norm."""
     if gate_up.is_cuda:
-        return fused.silu_and_mul(gate_up, delta)
+        return fused.silu_and_mul(gate_up, delta, columns=columns)
+    assert not columns, "extra columns are a CUDA path"
     return silu_and_mul_ref(gate_up, delta)
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None) -> torch.Tensor:
-    """[T, 2I] (+ LoRA delta [T, 2I], or on CUDA its factors) -> [T, I]: gelu_tanh(gate) * up (Gemma)."""
+def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None = None,
+                      columns: int = 0) -> torch.Tensor:
+    """[T, 2I] (+ LoRA delta [T, 2I], or on CUDA its factors) -> [T, I]: gelu_tanh(gate) * up (Gemma); columns as
+    rms_norm."""
     if gate_up.is_cuda:
-        return fused.gelu_tanh_and_mul(gate_up, delta)
+        return fused.gelu_tanh_and_mul(gate_up, delta, columns)
+    assert not columns, "extra columns are a CUDA path"
     return gelu_tanh_and_mul_ref(gate_up, delta)
 
 

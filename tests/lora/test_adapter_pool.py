@@ -215,6 +215,26 @@ def test_page_blocks_no_adapter_of_the_step_targets_get_no_adapters_tiles():
     assert blocks_with_adapters_tiles([again]) == everything
 
 
+def test_a_steps_adapters_lie_side_by_side_as_wide_as_their_largest_ranks():
+    """The step metadata's slot_columns: each slot's first column when the step's adapters lie side by side,
+    each as wide as its largest rank (the products as extra GEMM columns, lora/layers.py); the runtime's key of
+    those columns changes when an id is given another adapter, so no layer keeps the old one's B beside W."""
+    runtime = tiny_runtime(max_rank=32, pages=8)
+    runtime.gemm_columns = True  # a CUDA runtime's setting (one GPU); the metadata and keys are host work
+    ids = [runtime.load(runtime.pack(random_adapter(runtime.spec, f"a{r}", r, seed=r)))[0] for r in (8, 32, 16)]
+    batch = runtime.for_step(np.array([ids[2], -1, ids[0], ids[1], ids[0]]))
+    order = np.argsort(ids)  # slots follow the ids
+    widths = np.array([8, 32, 16])[order]
+    assert batch.columns == 56 and batch.num_slots == 3
+    assert runtime.metadata.meta.slot_columns.tolist()[:4] == [0, int(widths[0]), int(widths[:2].sum()), 56]
+    assert runtime.for_step(np.array([ids[0], ids[1], ids[2]])).columns_key == batch.columns_key
+    assert runtime.for_step(np.array([-1, -1])).columns == 0  # no adapter: no columns
+    runtime.release(ids[1])
+    again = runtime.load(runtime.pack(random_adapter(runtime.spec, "b32", 32, seed=9)))[0]
+    assert again == ids[1]
+    assert runtime.for_step(np.array([ids[0], again, ids[2]])).columns_key != batch.columns_key
+
+
 def test_layers_no_adapter_of_the_step_has_weights_in_run_no_lora_kernels(monkeypatch):
     """In an eager pass the layers of page blocks that no adapter of the step targets return the base output and
     launch no LoRA product; the others add theirs (equal to the reference); with every_block (the warm-up)

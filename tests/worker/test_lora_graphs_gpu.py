@@ -175,6 +175,50 @@ def test_factored_lora_equals_in_place_lora(setup):
     assert torch.equal(outs[0][~lora_rows], outs[1][~lora_rows])
 
 
+def test_lora_in_the_gemms_extra_columns_equals_in_place_lora(setup):
+    """In a prefill-sized step on one GPU each LoRA layer's product is summed inside its base GEMM (the op
+    before it leaves columns of room after x: lora/layers.py): per layer the numbers of adding it in place up to
+    rounding (the sum rounded once, z rounded to bf16 first), for q/k/v, o, gate/up and down, base rows too."""
+    _, _, llm = setup
+    runner = llm.engine.runner
+    ids_of = llm.engine.lora_manager.prepare({"a0", "a1", "a2", "a3"}, set())
+    dev = torch.device("cuda")
+    lengths = [100, 150, 250, 120, 80]
+    n = sum(lengths)  # more than the side stream takes
+    token_slots = np.concatenate([np.full(k, s) for k, s in zip(
+        lengths, [-1, ids_of["a0"], ids_of["a1"], ids_of["a2"], ids_of["a3"]])])
+    lora_rows = torch.from_numpy(token_slots >= 0).to(dev)
+    metas = runner.lora.write_metadata(token_slots)
+    builder = runner.lora.metadata
+    assert builder.step_columns == 4 + 8 + 16 + 2  # the four adapters side by side, each as wide as its rank
+    in_gemm = ForwardContext(None, LoRABatch(metas, runner.lora.side, None, builder.step_columns, builder.step_adapters.size))
+    in_place = ForwardContext(None, LoRABatch(metas, runner.lora.side, None))
+    layer0 = runner.model.model.layers[0]
+    layers = [layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj, layer0.mlp.down_proj]
+    gen = torch.Generator(device=dev).manual_seed(8)
+    with torch.inference_mode():
+        for layer in layers:
+            k, extra = layer.in_features, layer.input_columns(in_gemm, n)
+            assert extra > 0 and layer.input_columns(in_place, n) == 0
+            x = torch.randn(n, k, generator=gen, device=dev).bfloat16()
+            roomy = torch.empty(n, k + extra, dtype=x.dtype, device=dev)[:, :k]  # as the op before leaves it
+            roomy.copy_(x)
+            got = layer(roomy, in_gemm)
+            factored, layer.factored = layer.factored, False  # gate/up: its product added in place too
+            try:
+                want = layer(x, in_place)
+            finally:
+                layer.factored = factored
+            base = layer.base(x).y
+            assert got.delta is None and want.delta is None
+            scale = float(want.y.float().abs().max())
+            err = float((got.y.float() - want.y.float()).abs().max())
+            assert err <= 1e-2 * scale, (layer.slice_names, err, scale)
+            product = (want.y.float() - base.float()).abs()
+            assert float(product[lora_rows].max()) > 4e-2 * scale, "the step's LoRA products are too small to tell"
+            assert float((got.y.float() - base.float())[~lora_rows].abs().max()) <= 1e-2 * scale  # base rows
+
+
 def test_mixed_prefill_and_decode_steps_match_peft_bf16(setup):
     """Steps that mix prompt chunks (more tokens than the side stream takes) with decode rows, adapters
     and base rows mixed: greedy tokens equal PEFT bf16's."""
