@@ -118,6 +118,7 @@ def place_b(lora_b: torch.Tensor, meta: LoRAMeta, lora_rank: torch.Tensor, slice
     n_out = w_aug.shape[0]
     num_slices = slice_offsets.shape[0] - 1
     assert w_aug.stride(-1) == 1 and lora_b.shape[2] == n_out
+    assert k + num_slices * step_columns <= w_aug.shape[1], "the step's columns do not fit w_aug"
     if num_slots == 0:
         return
     block_n = 128

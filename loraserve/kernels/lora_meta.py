@@ -54,8 +54,8 @@ class LoRAMeta:
                       and its last program puts the count back to 0. Launches that share these
                       counters must run one after another (stream-ordered, as the engine's are).
     slot_columns:     [L+1] int32, where slot l's rank rows begin when the step's adapters lie side by side
-                      (each as wide as its largest rank; entry k.. of the k slots: their total), or None:
-                      the products as extra columns of the base GEMM (lora_columns)
+                      (each as wide as its largest rank; entry k.. of the k slots: their total), for the
+                      products as extra columns of the base GEMM (lora_columns); None where not built
     """
 
     token_slots: torch.Tensor

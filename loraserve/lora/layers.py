@@ -55,9 +55,10 @@ GEMM_FIRST_LAYERS = frozenset({"qkv_proj"})
 # reads the base output (gate/up: silu_and_mul), instead of a read-modify-write of the whole output.
 FACTORED_LAYERS = frozenset({"gate_up_proj"})
 # The most extra input columns a layer's GEMM takes for its step's adapters in larger steps (the sum of their
-# ranks times the layer's slices, rounded up to lora_columns.COLUMN_ALIGN): 8 adapters of rank 16 on q/k/v take
-# 384. Each layer keeps W with this many columns of room beside it ([N, K + GEMM_COLUMNS]): 1.4 GB for
-# Llama-3-8B in bf16. Steps whose adapters need more run the product as below.
+# largest ranks times the layer's slices, rounded up to lora_columns.COLUMN_ALIGN): 8 adapters of rank 16 on
+# q/k/v take 384. Each layer keeps W with up to this many columns of room beside it (the runtime gives less
+# where max_loras adapters of max_lora_rank need less): 1.4 GB for Llama-3-8B in bf16 at 512. Steps whose
+# adapters need more run the product as below.
 GEMM_COLUMNS = 512
 
 
@@ -84,8 +85,8 @@ class LoRALinear(nn.Module):
         self._join: torch.cuda.Event | None = None
         # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
         self._bound: dict[int, BoundLoRADelta] = {}
-        # larger steps: W with room for GEMM_COLUMNS columns of the step's B beside it ([N, K + GEMM_COLUMNS],
-        # the base layer's weight a view of its first K columns), and slice_offsets on the device; None: unused
+        # larger steps: W with columns of room for the step's B beside it ([N, K + room], the base layer's weight
+        # a view of its first K columns: enable_columns), and slice_offsets on the device; None: unused
         self.w_columns: torch.Tensor | None = None
         self._offsets_dev: torch.Tensor | None = None
         self._placed: tuple | None = None  # the LoRABatch.columns_key whose B w_columns holds
@@ -98,8 +99,8 @@ class LoRALinear(nn.Module):
         self.page_block = page_block
 
     def enable_columns(self, max_columns: int = GEMM_COLUMNS) -> None:
-        """Give the base weight room for `max_columns` extra input columns (CUDA, one GPU): larger steps then sum
-        their LoRA products inside the base GEMM where the step's adapters fit (`input_columns`)."""
+        """Give the base weight room for `max_columns` extra input columns (the runtime does on one GPU): larger
+        steps then sum their LoRA products inside the base GEMM where the step's adapters fit (`input_columns`)."""
         weight = self.base.weight  # [N, K]
         w_columns = torch.zeros(weight.shape[0], weight.shape[1] + max_columns, dtype=weight.dtype,
                                 device=weight.device)  # [N, K + max_columns]
@@ -112,11 +113,11 @@ class LoRALinear(nn.Module):
         """C: the extra columns this layer's input of num_tokens rows should have after in_features in this pass
         (the op before it allocates them), where its step's LoRA products go; 0: none."""
         lora = ctx.lora if ctx is not None else None
-        if self.w_columns is None or lora is None or not lora.columns or not self._in_order(lora, num_tokens):
+        if self.w_columns is None or lora is None or not lora.step_columns or not self._in_order(lora, num_tokens):
             return 0
         if lora.active is not None and not lora.active[self.page_block]:
             return 0
-        extra = padded_columns(len(self.slice_names), lora.columns)
+        extra = padded_columns(len(self.slice_names), lora.step_columns)
         return extra if extra <= self.w_columns.shape[1] - self.in_features else 0
 
     @staticmethod
@@ -146,7 +147,7 @@ class LoRALinear(nn.Module):
         side, meta = lora.side, lora.metas[self.page_block]
         if self._in_order(lora, x.shape[0]):
             extra = self.input_columns(ctx, x.shape[0])
-            if extra and x.is_cuda and x.stride(0) == self.in_features + extra:  # room left after x by the op before
+            if extra and x.stride(0) == self.in_features + extra:  # room left after x by the op before
                 return self._forward_columns(x, lora, meta, extra)
             y = self.base(x).rounded(x.dtype)
             if self.factored and x.is_cuda:
@@ -164,9 +165,9 @@ class LoRALinear(nn.Module):
         k = self.in_features
         x_aug = x.as_strided((x.shape[0], k + extra), (k + extra, 1))  # [T, K + C]
         factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
-        place_factors(factors.inter, meta, self.lora_rank, lora.columns, x_aug, k)
+        place_factors(factors.inter, meta, self.lora_rank, lora.step_columns, x_aug, k)
         if not lora.columns_key or lora.columns_key != self._placed:  # the step's B not beside W yet
-            place_b(self.lora_b, meta, self.lora_rank, self._offsets_dev, lora.num_slots, lora.columns,
+            place_b(self.lora_b, meta, self.lora_rank, self._offsets_dev, lora.num_slots, lora.step_columns,
                     self.w_columns, k)
             self._placed = lora.columns_key
         return LinearOutput(F.linear(x_aug, self.w_columns[:, :k + extra], self.base.bias), None)

@@ -18,6 +18,7 @@ or out is the LoRA manager's choice.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,7 @@ import torch
 from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.lora.adapter import LoRAAdapter
+from loraserve.lora.peft_config import LoRAAdapterError
 
 ALIGN = 64  # elements: every layer's region in a page starts on a 128-byte boundary (bf16)
 # Pages may hold up to this many times the largest layer's rows: the page size among 1x..MAX_PAGE_LAYERS x that
@@ -207,8 +209,17 @@ class AdapterPacker:
 
     def pack(self, adapter: LoRAAdapter, data: torch.Tensor | None = None) -> PackedAdapter:
         """The adapter in page layout, written into `data` (zeros of self.dtype, shape_of(adapter)) when given,
-        else into new host memory. Weights are cast to self.dtype, and B scaled, as they are copied."""
-        return self.pack_layers(self.layer_weights(adapter), data)
+        else into new host memory. Weights are cast to self.dtype, and B scaled, as they are copied. In float16
+        a weight can overflow there (the adapter's file was checked finite): LoRAAdapterError. Every value in
+        the pool must be finite: where the LoRA products are summed inside the base GEMMs, every token's row
+        meets every adapter's columns of the step (lora/layers.py), with zeros, and 0 * Inf is NaN."""
+        packed = self.pack_layers(self.layer_weights(adapter), data)
+        if self.dtype == torch.float16 and packed.data.numel():
+            low, high = torch.aminmax(packed.data)
+            if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+                raise LoRAAdapterError(adapter.name, "its weights overflow float16, the model's dtype, once B is "
+                                                     "scaled (lora_alpha / r)")
+        return packed
 
     def pack_layers(self, weights: list[list[SliceWeights | None]],
                     data: torch.Tensor | None = None) -> PackedAdapter:

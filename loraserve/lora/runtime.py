@@ -34,6 +34,7 @@ from torch import nn
 
 from loraserve.config import LoRAConfig
 from loraserve.distributed import NO_PARALLEL, ParallelGroup
+from loraserve.kernels.lora_columns import padded_columns
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import shrink_splits
 from loraserve.lora.adapter import LoRAAdapter
@@ -49,7 +50,8 @@ logger = logging.getLogger(__name__)
 # Without lora_gpu_memory the adapter pool takes this share of the memory the KV cache could take, and more
 # where the KV cache could never use it all (max_num_seqs sequences of max_model_len need less): up to room for
 # POOL_STEPS steps of max_loras adapters of max_lora_rank. The KV cache keeps at least ~75 % of the blocks it
-# has without LoRA (docs/experiments.md).
+# has without LoRA (docs/experiments.md; with the weight columns of LoRALinear.enable_columns, 1.3 GiB for
+# Llama-3-8B, about 0.76 by the same arithmetic: not measured since).
 DEFAULT_POOL_SHARE = 0.22
 # Room for the adapters of the running requests and as many again, read and copied ahead for the next ones: with
 # room for one step's only, the pool was full from the first wave of a trace over 512 adapters and the adapters
@@ -76,12 +78,13 @@ class LoRABatch:
     # per page block: whether an adapter of the step has weights in it (its layers run no LoRA kernels when not);
     # None: every block runs them (a pass captured into a graph, which later steps replay with other adapters)
     active: tuple[bool, ...] | None = None
-    # larger steps on one GPU: the step's adapters side by side, the sum of their ranks (LoRALinear.input_columns:
-    # the products as extra columns of the base GEMMs), and how many there are; 0: not in this pass
-    columns: int = 0
+    # larger steps on one GPU, the products as extra columns of the base GEMMs (LoRALinear.input_columns): the
+    # step's adapters side by side, each as wide as its largest rank, take step_columns columns per slice (at
+    # least PAGE_RANK in the warm-up); num_slots adapters; 0: not in this pass
+    step_columns: int = 0
     num_slots: int = 0
-    # which adapters those columns hold (ids and what each id was given): equal keys, equal columns, so a layer
-    # whose weight has the step's B beside it already need not place them again; (): place them
+    # what those columns hold (the ids, what each id was given, step_columns): equal keys, equal columns, so a
+    # layer whose weight has the step's B beside it already need not place them again; (): place them
     columns_key: tuple = ()
 
 
@@ -156,14 +159,18 @@ class LoRARuntime:
             setattr(target.parent, target.attr, layer)
             self.layers.append((target.layer_index, layer))
             attrs.append(target.attr)
-        # one GPU: larger steps sum their LoRA products inside the base GEMMs (LoRALinear.enable_columns), whose
-        # weights take GEMM_COLUMNS more columns each, out of the KV cache's room
-        self.gemm_columns = self.device.type == "cuda" and not tp.is_parallel
+        # one GPU, steps larger than the side stream takes: their LoRA products summed inside the base GEMMs
+        # (LoRALinear.enable_columns), whose weights take up to GEMM_COLUMNS more columns each (what max_loras
+        # adapters of max_lora_rank can use), out of the KV cache's room
+        self.gemm_columns = (self.device.type == "cuda" and not tp.is_parallel
+                             and max_step_tokens > SIDE_STREAM_MAX_TOKENS)
         if self.gemm_columns:
+            most = config.max_loras * config.max_lora_rank
             for _, layer in self.layers:
-                layer.enable_columns(GEMM_COLUMNS)
+                layer.enable_columns(min(GEMM_COLUMNS, padded_columns(len(layer.slice_names), most)))
             torch.cuda.empty_cache()  # the weights' former storage, back to the device for the KV cache
-            column_bytes = sum(layer.out_features * GEMM_COLUMNS for _, layer in self.layers) * self.dtype.itemsize
+            column_bytes = sum((layer.w_columns.shape[1] - layer.in_features) * layer.out_features
+                               for _, layer in self.layers) * self.dtype.itemsize
             logger.info("LoRA in the GEMMs of larger steps: %.2f GiB of weight columns", column_bytes / 2**30)
             if kv_room is not None:
                 kv_room = replace(kv_room, available=max(0, kv_room.available - column_bytes))
@@ -233,19 +240,20 @@ class LoRARuntime:
         self.metadata.build(token_adapters)
         return self.metadata.metas
 
-    def for_step(self, token_adapters: np.ndarray, every_block: bool = False) -> LoRABatch:
+    def for_step(self, token_adapters: np.ndarray, every_block: bool = False, in_gemms: bool = True) -> LoRABatch:
         """write_metadata, and the LoRA state of an eager pass over these tokens: the layers of page blocks that
         no adapter of the step has weights in run without LoRA kernels, unless `every_block` (the start-up
-        warm-up, which compiles them)."""
+        warm-up, which compiles them); on one GPU larger steps sum the products inside the base GEMMs, unless
+        not `in_gemms` (the warm-up compiles the other path too)."""
         metas = self.write_metadata(token_adapters)
         active = None if every_block else self.metadata.active
         adapters = self.metadata.step_adapters
-        if not self.gemm_columns or not adapters.size:
+        if not (self.gemm_columns and in_gemms) or not adapters.size:
             return LoRABatch(metas, self._side_for_this_pass(), active)
         columns = self.metadata.step_columns
         if every_block:
             columns = max(columns, PAGE_RANK)  # the warm-up's adapter id holds nothing: compile that path anyway
-        key = (tuple(adapters.tolist()), tuple(self.pool.adapter_versions[adapters].tolist()))
+        key = (tuple(adapters.tolist()), tuple(self.pool.adapter_versions[adapters].tolist()), columns)
         return LoRABatch(metas, self._side_for_this_pass(), active, columns, int(adapters.size), key)
 
     def for_capture(self) -> LoRABatch:

@@ -194,13 +194,18 @@ class ModelRunner:
     def warm_up_eager(self) -> None:
         """One eager pass at each size of `warm_up_sizes`, so that Triton compiles every kernel shape a step can
         take here, at start-up, not while requests wait. With LoRA the tokens name adapter id 0 (no adapter
-        is loaded yet: rank 0 in every layer, so the kernels run and add nothing)."""
+        is loaded yet: rank 0 in every layer, so the kernels run and add nothing); sizes whose LoRA products
+        can go inside the base GEMMs run twice, so that the path of steps whose adapters need more room than
+        the GEMMs have is compiled too."""
         sizes = warm_up_sizes(self.config.scheduler.max_num_batched_tokens)
+        lora = self.lora
         start = time.perf_counter()
         for num_tokens in sizes:
             inputs = StepInputs.dummy_prefill(num_tokens, self.config.model.max_model_len, self.dummy_block,
-                                              self.block_size, -1 if self.lora is None else 0)
+                                              self.block_size, -1 if lora is None else 0)
             self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True))
+            if lora is not None and lora.gemm_columns and num_tokens > lora.side.scratch.max_tokens:
+                self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True, lora_in_gemms=False))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("eager warm-up at %d step sizes (%d..%d tokens): %.1f s", len(sizes), sizes[0], sizes[-1],
@@ -212,17 +217,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None,
-                      rows: np.ndarray | None = None, every_lora_layer: bool = False) -> torch.Tensor:
+                      rows: np.ndarray | None = None, every_lora_layer: bool = False,
+                      lora_in_gemms: bool = True) -> torch.Tensor:
         """The model on this step's tokens; returns the hidden states of `rows` [R, D] (default: the sampled
         rows). LoRA layers that no adapter of the step has weights in run without LoRA kernels, unless
-        `every_lora_layer` (the warm-up)."""
+        `every_lora_layer` (the warm-up); larger steps sum the LoRA products inside the base GEMMs where they
+        fit, unless not `lora_in_gemms` (the warm-up)."""
         attn = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
             max_query_len=inputs.max_query_len, is_decode=inputs.is_decode, num_decode_rows=inputs.num_decode_rows)
         lora = None
         if self.lora is not None and (inputs.token_adapters >= 0).any():
-            lora = self.lora.for_step(inputs.token_adapters, every_lora_layer)
+            lora = self.lora.for_step(inputs.token_adapters, every_lora_layer, lora_in_gemms)
         share = self.tp.is_parallel and inputs.has_pending_tokens  # (asked before the fill: on the CPU the
         input_ids = self._to_device(inputs.input_ids)                # device ids are the host array itself)
         if fill is not None:

@@ -15,7 +15,9 @@ from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import gather_a, gather_b
 from loraserve.lora.manager import IN_MEMORY, LoRAManager
+import loraserve.lora.layers as loraserve_layers
 import loraserve.lora.manager as manager_module
+from loraserve.lora.peft_config import LoRAAdapterError
 from loraserve.lora.pool import AdapterPacker, PageLayout
 from loraserve.lora.runtime import POOL_STEPS, KVRoom, LoRARuntime
 from loraserve.lora.synthetic import ALL_TARGETS, random_adapter
@@ -225,14 +227,80 @@ def test_a_steps_adapters_lie_side_by_side_as_wide_as_their_largest_ranks():
     batch = runtime.for_step(np.array([ids[2], -1, ids[0], ids[1], ids[0]]))
     order = np.argsort(ids)  # slots follow the ids
     widths = np.array([8, 32, 16])[order]
-    assert batch.columns == 56 and batch.num_slots == 3
+    assert batch.step_columns == 56 and batch.num_slots == 3
     assert runtime.metadata.meta.slot_columns.tolist()[:4] == [0, int(widths[0]), int(widths[:2].sum()), 56]
     assert runtime.for_step(np.array([ids[0], ids[1], ids[2]])).columns_key == batch.columns_key
-    assert runtime.for_step(np.array([-1, -1])).columns == 0  # no adapter: no columns
+    assert runtime.for_step(np.array([-1, -1])).step_columns == 0  # no adapter: no columns
     runtime.release(ids[1])
     again = runtime.load(runtime.pack(random_adapter(runtime.spec, "b32", 32, seed=9)))[0]
     assert again == ids[1]
     assert runtime.for_step(np.array([ids[0], again, ids[2]])).columns_key != batch.columns_key
+
+
+def test_products_inside_the_gemms_equal_in_place_and_follow_an_id_given_another_adapter(monkeypatch):
+    """A LoRA layer whose input has columns of room (as the op before leaves them on one GPU) sums the step's
+    products inside its GEMM: [x | z] @ [W | B]^T equals the base output plus the in-place reference product
+    (fp32, the kernels in the interpreter). The step's B is placed beside W once per set of adapters: a step of
+    the same adapters places nothing, and an id given another adapter places the new one's B."""
+    runtime = tiny_runtime(max_rank=32, pages=8)
+    for _, layer in runtime.layers:
+        layer.enable_columns()
+    runtime.gemm_columns = True  # a CUDA runtime's setting; here the kernels run in Triton's interpreter
+    placed = []
+    original = loraserve_layers.place_b
+
+    def counted(*args, **kwargs):
+        placed.append(args)
+        original(*args, **kwargs)
+
+    monkeypatch.setattr(loraserve_layers, "place_b", counted)
+    ids = [runtime.load(runtime.pack(random_adapter(runtime.spec, f"a{r}", r, seed=r, std=0.2)))[0]
+           for r in (8, 32, 16)]
+    tokens = np.array([ids[0]] * 5 + [-1] * 3 + [ids[1]] * 4 + [ids[2]] * 6 + [ids[0]] * 2)
+    gen = torch.Generator().manual_seed(5)
+    _, layer = runtime.layers[0]  # q/k/v of the first decoder layer: three slices
+    k = layer.in_features
+    x = torch.randn(len(tokens), k, generator=gen)
+
+    def both(token_ids):
+        in_gemm = ForwardContext(None, runtime.for_step(token_ids))
+        extra = layer.input_columns(in_gemm, len(token_ids))
+        assert extra > 0
+        roomy = torch.full((len(token_ids), k + extra), float("nan"))[:, :k]  # the op before's output
+        roomy.copy_(x)
+        got = layer(roomy, in_gemm)
+        want = layer(x, ForwardContext(None, runtime.for_step(token_ids, in_gemms=False)))
+        base = layer.base(x).y
+        return got.y, want.y, base
+
+    got, want, base = both(tokens)
+    assert len(placed) == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    lora_rows = torch.from_numpy(tokens >= 0)
+    assert (want - base)[lora_rows].abs().max() > 1e-2  # the products are there
+    assert torch.equal(want[~lora_rows], base[~lora_rows])
+    got, want, _ = both(tokens[::-1].copy())  # the same adapters in other rows: their B stays beside W
+    assert len(placed) == 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    runtime.release(ids[1])
+    assert runtime.load(runtime.pack(random_adapter(runtime.spec, "b32", 32, seed=9, std=0.2)))[0] == ids[1]
+    got, want, _ = both(tokens)
+    assert len(placed) == 2
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_adapter_that_overflows_float16_once_scaled_is_refused():
+    """A float16 model: B * scale past float16's range fails the adapter at packing, naming it (no Inf in the
+    pool, where the products inside the GEMMs would spread it to other rows)."""
+    runtime = tiny_runtime()
+    packer = replace(runtime.packer, dtype=torch.float16)
+    assert packer.pack(random_adapter(runtime.spec, "fine", 8, seed=2)).data.dtype == torch.float16
+    adapter = random_adapter(runtime.spec, "huge", 8, seed=1)
+    key = next(iter(adapter.weights))
+    a, b = adapter.weights[key]
+    adapter.weights[key] = (a, b * 1e8)  # finite in the file's float32
+    with pytest.raises(LoRAAdapterError, match="LoRA adapter 'huge'.*overflow float16"):
+        packer.pack(adapter)
 
 
 def test_layers_no_adapter_of_the_step_has_weights_in_run_no_lora_kernels(monkeypatch):

@@ -19,6 +19,7 @@ from hf_reference import is_greedy_of, load_peft_model, teacher_forced_logprobs
 from model_fixtures import CONFIDENT_STEPS, make_lora_adapters
 from loraserve import LLM, LoRARequest, SamplingParams
 from loraserve.forward_context import AttentionMetadata, ForwardContext
+import loraserve.lora.layers as loraserve_layers
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.runtime import LoRABatch
 from loraserve.lora.synthetic import random_adapter
@@ -175,7 +176,7 @@ def test_factored_lora_equals_in_place_lora(setup):
     assert torch.equal(outs[0][~lora_rows], outs[1][~lora_rows])
 
 
-def test_lora_in_the_gemms_extra_columns_equals_in_place_lora(setup):
+def test_lora_in_the_gemms_extra_columns_equals_in_place_lora(setup, monkeypatch):
     """In a prefill-sized step on one GPU each LoRA layer's product is summed inside its base GEMM (the op
     before it leaves columns of room after x: lora/layers.py): per layer the numbers of adding it in place up to
     rounding (the sum rounded once, z rounded to bf16 first), for q/k/v, o, gate/up and down, base rows too."""
@@ -196,6 +197,9 @@ def test_lora_in_the_gemms_extra_columns_equals_in_place_lora(setup):
     layer0 = runner.model.model.layers[0]
     layers = [layer0.self_attn.qkv_proj, layer0.self_attn.o_proj, layer0.mlp.gate_up_proj, layer0.mlp.down_proj]
     gen = torch.Generator(device=dev).manual_seed(8)
+    placed = []
+    place_factors = loraserve_layers.place_factors
+    monkeypatch.setattr(loraserve_layers, "place_factors", lambda *a, **k: (placed.append(1), place_factors(*a, **k)))
     with torch.inference_mode():
         for layer in layers:
             k, extra = layer.in_features, layer.input_columns(in_gemm, n)
@@ -204,6 +208,8 @@ def test_lora_in_the_gemms_extra_columns_equals_in_place_lora(setup):
             roomy = torch.empty(n, k + extra, dtype=x.dtype, device=dev)[:, :k]  # as the op before leaves it
             roomy.copy_(x)
             got = layer(roomy, in_gemm)
+            assert len(placed) == 1, "the product did not go into the GEMM"
+            placed.clear()
             factored, layer.factored = layer.factored, False  # gate/up: its product added in place too
             try:
                 want = layer(x, in_place)
