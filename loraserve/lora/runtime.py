@@ -164,10 +164,14 @@ class LoRARuntime:
         # adapters of max_lora_rank can use), out of the KV cache's room
         self.gemm_columns = (self.device.type == "cuda" and not tp.is_parallel
                              and max_step_tokens > SIDE_STREAM_MAX_TOKENS)
+        # whether a step's adapters can need more room than a layer has (that layer then takes the former path)
+        self.columns_may_overflow = False
         if self.gemm_columns:
             most = config.max_loras * config.max_lora_rank
             for _, layer in self.layers:
-                layer.enable_columns(min(GEMM_COLUMNS, padded_columns(len(layer.slice_names), most)))
+                need = padded_columns(len(layer.slice_names), most)
+                self.columns_may_overflow |= need > GEMM_COLUMNS
+                layer.enable_columns(min(GEMM_COLUMNS, need))
             torch.cuda.empty_cache()  # the weights' former storage, back to the device for the KV cache
             column_bytes = sum((layer.w_columns.shape[1] - layer.in_features) * layer.out_features
                                for _, layer in self.layers) * self.dtype.itemsize

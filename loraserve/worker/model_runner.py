@@ -194,9 +194,9 @@ class ModelRunner:
     def warm_up_eager(self) -> None:
         """One eager pass at each size of `warm_up_sizes`, so that Triton compiles every kernel shape a step can
         take here, at start-up, not while requests wait. With LoRA the tokens name adapter id 0 (no adapter
-        is loaded yet: rank 0 in every layer, so the kernels run and add nothing); sizes whose LoRA products
-        can go inside the base GEMMs run twice, so that the path of steps whose adapters need more room than
-        the GEMMs have is compiled too."""
+        is loaded yet: rank 0 in every layer, so the kernels run and add nothing); where a step's adapters can
+        need more room than the base GEMMs have for their products, sizes that put them there run twice, so
+        that the path of such steps is compiled too."""
         sizes = warm_up_sizes(self.config.scheduler.max_num_batched_tokens)
         lora = self.lora
         start = time.perf_counter()
@@ -204,7 +204,7 @@ class ModelRunner:
             inputs = StepInputs.dummy_prefill(num_tokens, self.config.model.max_model_len, self.dummy_block,
                                               self.block_size, -1 if lora is None else 0)
             self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True))
-            if lora is not None and lora.gemm_columns and num_tokens > lora.side.scratch.max_tokens:
+            if lora is not None and lora.columns_may_overflow and num_tokens > lora.side.scratch.max_tokens:
                 self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True, lora_in_gemms=False))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

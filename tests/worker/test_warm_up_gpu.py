@@ -69,3 +69,28 @@ def test_no_kernel_compiles_while_requests_run(monkeypatch):
         n += 1
         run_to_end(engine)
     assert compiled == [], f"kernels compiled after start-up: {compiled}"
+
+
+def test_no_kernel_compiles_when_a_steps_adapters_need_more_room_than_the_gemms_have(monkeypatch):
+    """Four rank-64 adapters in one step of more than 512 tokens: q/k/v needs 768 columns for their products,
+    more than the 512 its GEMM has, so q/k/v adds its product in place while the other layers sum theirs
+    inside their GEMMs. The warm-up compiled both paths: nothing compiles here."""
+    knobs = compile_hook_knobs()
+    engine = LLMEngine.from_args(EngineArgs(
+        "synthetic:tiny", device="cuda", dtype="bfloat16", max_model_len=BUDGET + 64, max_num_seqs=64,
+        max_num_batched_tokens=BUDGET, enable_lora=True, max_loras=8, max_lora_rank=64))
+    runtime = engine.lora_manager.runtime
+    assert runtime.gemm_columns and runtime.columns_may_overflow
+    for i in range(4):
+        engine.lora_manager.register_adapter(f"b{i}", random_adapter(runtime.spec, f"b{i}", 64, seed=10 + i))
+    compiled: list[str] = []
+    monkeypatch.setattr(knobs, "jit_post_compile_hook",
+                        lambda *args, **kwargs: compiled.append(str(getattr(kwargs.get("fn"), "name", None))))
+    rng = np.random.default_rng(1)
+    short = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+    for length in (150, 240):  # four prompts in one step: 600 and 960 tokens
+        for i in range(4):
+            engine.add_request(f"r{length}-{i}", rng.integers(0, engine.hf_config.vocab_size, length).tolist(), short,
+                               LoRARequest(f"b{i}"))
+        run_to_end(engine)
+    assert compiled == [], f"kernels compiled after start-up: {compiled}"
