@@ -13,7 +13,7 @@ cols[L] (the metadata's slot_columns, lora_meta), once per slice of the layer, a
 so that x_aug @ w_aug[:, :K + C]^T = x @ W^T + each token's LoRA product, summed in the GEMM's fp32
 accumulator and rounded once. Columns of a slot past the adapter's rank in this layer read zero.
 `place_factors` writes x_aug's extra columns from the shrink's output, `place_b` w_aug's from the pool
-pages; the caller (lora/layers.py) runs the shrink and the GEMM. Torch references: the `_ref` functions.
+pages; the caller (lora/layers.py) runs the shrink and the GEMM. Torch references: lora_reference.py.
 """
 import torch
 import triton
@@ -126,33 +126,3 @@ def place_b(lora_b: torch.Tensor, meta: LoRAMeta, lora_rank: torch.Tensor, slice
         lora_b, lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), meta.page_table, meta.page_table.stride(0),
         meta.slot_adapter, meta.slot_columns, lora_rank, slice_offsets, w_aug, w_aug.stride(0), k, n_out,
         step_columns, BLOCK_N=block_n, BLOCK_J=16, PAGE=PAGE_RANK, num_warps=4)
-
-
-def place_factors_ref(inter: torch.Tensor, token_slots: torch.Tensor, slot_adapter: torch.Tensor,
-                      slot_columns: torch.Tensor, lora_rank: torch.Tensor, rank_width: int, num_slices: int,
-                      step_columns: int, extra: int) -> torch.Tensor:
-    """The extra columns place_factors writes, [T, extra] float32, from plain indexing (tests)."""
-    out = torch.zeros(inter.shape[0], extra, dtype=torch.float32)
-    for t, slot in enumerate(token_slots.tolist()):
-        if slot < 0:
-            continue
-        first, rank = int(slot_columns[slot]), int(lora_rank[int(slot_adapter[slot])])
-        for s in range(num_slices):
-            c = s * step_columns + first
-            out[t, c:c + rank] = inter[t, s * rank_width:s * rank_width + rank].float()
-    return out
-
-
-def place_b_ref(b_t: list[torch.Tensor | None], slot_columns: list[int], slice_offsets: list[int], n_out: int,
-                step_columns: int, extra: int) -> torch.Tensor:
-    """The extra columns place_b writes, [N, extra] float32: b_t[l] is slot l's adapter's B^T [r_l, N] at its
-    rank in this layer (None: rank 0) (tests)."""
-    out = torch.zeros(n_out, extra, dtype=torch.float32)
-    for slot, b in enumerate(b_t):
-        if b is None:
-            continue
-        for s in range(len(slice_offsets) - 1):
-            lo, hi = slice_offsets[s], slice_offsets[s + 1]
-            c = s * step_columns + slot_columns[slot]
-            out[lo:hi, c:c + b.shape[0]] = b[:, lo:hi].t().float()
-    return out

@@ -1,4 +1,5 @@
-"""Plain-torch LoRA shrink/expand over the paged adapter pool.
+"""Plain-torch LoRA shrink/expand over the paged adapter pool, and the extra GEMM columns that
+lora_columns.py places (`place_factors_ref`, `place_b_ref`).
 
 The oracle for the Triton kernels and the engine's CPU path. It loops over the
 adapters present on the host (a host sync: never use it inside a CUDA graph),
@@ -80,3 +81,33 @@ def lora_expand_ref(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.
             lo, hi = slice_offsets[s], slice_offsets[s + 1]
             delta[:, lo:hi] = inter[rows, s * r_max:s * r_max + rank].float() @ b[:, lo:hi]
         y[rows] = (y[rows].float() + delta.to(y.dtype).float()).to(y.dtype)  # the product rounds first
+
+
+def place_factors_ref(inter: torch.Tensor, token_slots: torch.Tensor, slot_adapter: torch.Tensor,
+                      slot_columns: torch.Tensor, lora_rank: torch.Tensor, rank_width: int, num_slices: int,
+                      step_columns: int, extra: int) -> torch.Tensor:
+    """The extra columns place_factors writes, [T, extra] float32, from plain indexing (tests)."""
+    out = torch.zeros(inter.shape[0], extra, dtype=torch.float32)
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot < 0:
+            continue
+        first, rank = int(slot_columns[slot]), int(lora_rank[int(slot_adapter[slot])])
+        for s in range(num_slices):
+            c = s * step_columns + first
+            out[t, c:c + rank] = inter[t, s * rank_width:s * rank_width + rank].float()
+    return out
+
+
+def place_b_ref(b_t: list[torch.Tensor | None], slot_columns: list[int], slice_offsets: list[int], n_out: int,
+                step_columns: int, extra: int) -> torch.Tensor:
+    """The extra columns place_b writes, [N, extra] float32: b_t[l] is slot l's adapter's B^T [r_l, N] at its
+    rank in this layer (None: rank 0) (tests)."""
+    out = torch.zeros(n_out, extra, dtype=torch.float32)
+    for slot, b in enumerate(b_t):
+        if b is None:
+            continue
+        for s in range(len(slice_offsets) - 1):
+            lo, hi = slice_offsets[s], slice_offsets[s + 1]
+            c = s * step_columns + slot_columns[slot]
+            out[lo:hi, c:c + b.shape[0]] = b[:, lo:hi].t().float()
+    return out

@@ -18,7 +18,6 @@ or out is the LoRA manager's choice.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +25,7 @@ import torch
 
 from loraserve.kernels.launch import cdiv
 from loraserve.kernels.lora_meta import PAGE_RANK
-from loraserve.lora.adapter import LoRAAdapter
+from loraserve.lora.adapter import LoRAAdapter, all_finite
 from loraserve.lora.peft_config import LoRAAdapterError
 
 ALIGN = 64  # elements: every layer's region in a page starts on a 128-byte boundary (bf16)
@@ -214,11 +213,9 @@ class AdapterPacker:
         the pool must be finite: where the LoRA products are summed inside the base GEMMs, every token's row
         meets every adapter's columns of the step (lora/layers.py), with zeros, and 0 * Inf is NaN."""
         packed = self.pack_layers(self.layer_weights(adapter), data)
-        if self.dtype == torch.float16 and packed.data.numel():
-            low, high = torch.aminmax(packed.data)
-            if not (math.isfinite(low.item()) and math.isfinite(high.item())):
-                raise LoRAAdapterError(adapter.name, "its weights overflow float16, the model's dtype, once B is "
-                                                     "scaled (lora_alpha / r)")
+        if self.dtype == torch.float16 and not all_finite(packed.data):
+            raise LoRAAdapterError(adapter.name, "its weights overflow float16, the model's dtype, once B is "
+                                                 "scaled (lora_alpha / r)")
         return packed
 
     def pack_layers(self, weights: list[list[SliceWeights | None]],

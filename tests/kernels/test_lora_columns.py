@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from test_lora_kernels import DEVICE, assign_slots, make_weights, offsets_of
-from loraserve.kernels.lora_columns import COLUMN_ALIGN, padded_columns, place_b, place_b_ref, place_factors, \
-    place_factors_ref
+from loraserve.kernels.lora_columns import COLUMN_ALIGN, padded_columns, place_b, place_factors
+from loraserve.kernels.lora_reference import place_b_ref, place_factors_ref
 from loraserve.kernels.lora_ops import lora_apply_ref, lora_factors
 from loraserve.lora.metadata import LoRAMetaBuilder
 
