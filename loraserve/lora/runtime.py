@@ -49,10 +49,10 @@ logger = logging.getLogger(__name__)
 
 # Without lora_gpu_memory the adapter pool takes this share of the memory the KV cache could take, and more
 # where the KV cache could never use it all (max_num_seqs sequences of max_model_len need less): up to room for
-# POOL_STEPS steps of max_loras adapters of max_lora_rank. The KV cache keeps at least ~75 % of the blocks it
-# has without LoRA (docs/experiments.md; with the weight columns of LoRALinear.enable_columns, 1.3 GiB for
-# Llama-3-8B, about 0.76 by the same arithmetic: not measured since).
-DEFAULT_POOL_SHARE = 0.22
+# POOL_STEPS steps of max_loras adapters of max_lora_rank. Measured for Llama-3-8B on an 80 GB budget
+# (docs/experiments.md): 129 rank-16 adapters, and the KV cache keeps 0.752 of the blocks it has without LoRA
+# (the weight columns of LoRALinear.enable_columns take 1.31 GiB of it, the pool 10.2 GiB).
+DEFAULT_POOL_SHARE = 0.224
 # Room for the adapters of the running requests and as many again, read and copied ahead for the next ones: with
 # room for one step's only, the pool was full from the first wave of a trace over 512 adapters and the adapters
 # of each next wave were copied in as its requests were admitted (docs/benchmarks.md, many adapters).
@@ -172,7 +172,9 @@ class LoRARuntime:
                 need = padded_columns(len(layer.slice_names), most)
                 self.columns_may_overflow |= need > GEMM_COLUMNS
                 layer.enable_columns(min(GEMM_COLUMNS, need))
-            torch.cuda.empty_cache()  # the weights' former storage, back to the device for the KV cache
+                # the former weight's storage back to the device at once: were it cached, the next layer's
+                # wider weight would be cut out of it, and the holes left could hold no KV cache
+                torch.cuda.empty_cache()
             column_bytes = sum((layer.w_columns.shape[1] - layer.in_features) * layer.out_features
                                for _, layer in self.layers) * self.dtype.itemsize
             logger.info("LoRA in the GEMMs of larger steps: %.2f GiB of weight columns", column_bytes / 2**30)

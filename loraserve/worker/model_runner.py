@@ -47,7 +47,8 @@ def useful_kv_blocks(config: EngineConfig) -> int:
 
 def kv_room_bytes(model, config: EngineConfig) -> int:
     """CUDA memory free now for the KV cache: within gpu_memory_utilization, less a reserve for activations
-    (the step's widest intermediates and the logits)."""
+    (the step's widest intermediates and the logits). Memory the allocator holds unused is given back first."""
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(config.model.device)
     cfg, sched = model.config, config.scheduler
     width = 4 * cfg.hidden_size + 3 * cfg.intermediate_size
