@@ -93,6 +93,9 @@ class MixedGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> static hidden states [bucket, D]
         self.capture_seconds = 0.0
         self._pool = torch.cuda.graph_pool_handle() if self.buckets else None
+        # every bucket is captured on this one stream: cuBLAS keeps a workspace for each stream it has run on,
+        # for the life of the process, so a stream per bucket would leave a workspace per bucket behind
+        self._capture_stream = torch.cuda.Stream(self.device) if self.buckets else None
 
     # -- capture --------------------------------------------------------------------
     def _meta(self, inputs: StepInputs, bucket: int) -> AttentionMetadata:
@@ -123,7 +126,7 @@ class MixedGraphRunner:
                                          -1 if self.lora is None else 0)
         self.write_inputs(dummy, bucket)
         ids, positions = self._device_buf[0, :bucket], self._device_buf[1, :bucket]
-        stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             lora = self.lora.for_capture() if self.lora is not None else None
