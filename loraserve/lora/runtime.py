@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_POOL_SHARE = 0.224
 # Room for the adapters of the running requests and as many again, read and copied ahead for the next ones: with
 # room for one step's only, the pool was full from the first wave of a trace over 512 adapters and the adapters
-# of each next wave were copied in as its requests were admitted (docs/benchmarks.md, many adapters).
+# of each next wave were copied in as its requests were admitted (docs/experiments.md, the default pool).
 POOL_STEPS = 2
 CPU_POOL_BYTES = 256 * 2**20  # the default pool on a CPU: at most this, at most max_loras adapters of max rank
 
