@@ -63,7 +63,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="largest adapter rank accepted")
     parser.add_argument("--lora-gpu-memory", type=float, default=_DEFAULTS.lora_gpu_memory,
                         help="GiB of GPU memory for the adapter pool; adapters take pages for their own rank "
-                             "(default: 22%% of the memory the KV cache could take, and what it could never use, "
+                             "(default: 22.4%% of the memory the KV cache could take, and what it could never use, "
                              "up to room for twice max-loras adapters of max-lora-rank)")
     parser.add_argument("--max-cpu-lora-memory", type=float, default=_DEFAULTS.max_cpu_lora_memory,
                         help="GiB of host memory caching adapters, least recently used out (on CUDA pinned once, at "
