@@ -57,7 +57,6 @@ against adapter count, with matplotlib) to --out.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import shutil
@@ -66,7 +65,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
@@ -79,7 +78,6 @@ import throughput  # noqa: E402
 from loraserve.config import EngineArgs, resolve_dtype  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.synthetic import ALL_TARGETS, random_adapter  # noqa: E402
-from loraserve.sequence import SchedulerOutput  # noqa: E402
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 SCENARIOS = ("8-uniform", "8-zipf", "64-uniform", "64-zipf", "512-uniform", "512-zipf", "2000-uniform", "2000-zipf",
@@ -151,50 +149,7 @@ class Ceilings(NamedTuple):
     gemm_rate: float  # FLOP/s, square matmul in the model dtype
 
 
-class StepRecord(NamedTuple):
-    """One launched step, as scheduled."""
-
-    num_seqs: int
-    num_decode: int  # sequences past their prompt (one new token each)
-    prefill_tokens: int  # tokens of the other sequences (prompt chunks, recompute after preemption)
-    context_tokens: int  # sum over sequences of the tokens attention reads (computed + new)
-    adapters: frozenset[str]  # distinct adapters of the step
-    pool_bytes_used: int  # the adapter pool's use when the step was scheduled (0: no LoRA)
-
-
 SMALL_PROMPT_STEP = 1024  # prompt tokens: steps with fewer are counted apart in the printed notes
-STEP_KINDS = ("decode", "prompt", "idle")  # decode rows only; with prompt tokens; nothing to run (schedule empty)
-
-
-@dataclass
-class StepLog:
-    """The recorded steps, and per schedule call its time and kind (STEP_KINDS)."""
-
-    steps: list[StepRecord]
-    marks: list[tuple[float, str]]  # (perf_counter at the call, kind)
-
-    def _periods(self, end: float) -> list[tuple[str, float]]:
-        """Per schedule call: its kind and the seconds to the next call (the last one's to `end`): the engine's
-        period for that kind of step (with async scheduling a step's time ends at the next schedule)."""
-        calls = [t for t, _ in self.marks] + [end]
-        return [(kind, later - t) for (t, kind), later in zip(self.marks, calls[1:])]
-
-    def seconds_by_kind(self, end: float) -> dict[str, dict]:
-        """Per kind: schedule calls, their periods' seconds and the median period (with async scheduling a
-        decode-only period after a prompt step also carries that step's GPU time: the median is the typical
-        decode step, the sum is where the wall time went)."""
-        periods = {kind: [] for kind in STEP_KINDS}
-        for kind, seconds in self._periods(end):
-            periods[kind].append(seconds)
-        return {kind: {"calls": len(p), "seconds": float(sum(p)), "p50_s": float(np.median(p)) if p else None}
-                for kind, p in periods.items()}
-
-    def trace(self, end: float) -> list[list]:
-        """Per recorded step, in order: [its period's seconds, prompt tokens, decode rows, distinct adapters] (the
-        JSON's step_trace: where a run's time goes, step by step)."""
-        busy = [seconds for kind, seconds in self._periods(end) if kind != "idle"]
-        return [[round(seconds, 6), s.prefill_tokens, s.num_decode, len(s.adapters)]
-                for seconds, s in zip(busy, self.steps)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -246,38 +201,7 @@ def decoder_layer_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() >= 2)
 
 
-@contextlib.contextmanager
-def record_steps(engine) -> Iterator[StepLog]:
-    """Wrap engine.scheduler.schedule (an instance attribute over the method, removed on exit) so that each
-    non-empty step it makes is recorded, before the engine advances its sequences, and every call is timed."""
-    log = StepLog([], [])
-    schedule = engine.scheduler.schedule
-    manager = engine.lora_manager
-
-    def recorded() -> SchedulerOutput:
-        pool_used = manager.pool_bytes_used if manager is not None else 0
-        called = time.perf_counter()
-        out = schedule()
-        if out.is_empty:
-            log.marks.append((called, "idle"))
-        else:
-            decode = [s for s in out.scheduled if s.seq.num_computed_tokens >= len(s.seq.prompt_token_ids)]
-            prefill_tokens = out.num_tokens - len(decode)
-            log.steps.append(StepRecord(
-                len(out.scheduled), len(decode), prefill_tokens,
-                sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled),
-                frozenset(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None), pool_used))
-            log.marks.append((called, "prompt" if prefill_tokens else "decode"))
-        return out
-
-    engine.scheduler.schedule = recorded
-    try:
-        yield log
-    finally:
-        del engine.scheduler.schedule
-
-
-def run_floor(engine, steps: list[StepRecord], adapter_sizes: dict[str, int], ceilings: Ceilings) -> dict:
+def run_floor(engine, steps: list[throughput.StepRecord], adapter_sizes: dict[str, int], ceilings: Ceilings) -> dict:
     """The floor of the recorded steps, summed: per step max(bytes / bandwidth, FLOPs / GEMM rate)."""
     weights, kv_token = bc.weight_bytes(engine.runner.model), bc.kv_bytes_per_token(engine)
     params = decoder_layer_params(engine.runner.model)
@@ -415,7 +339,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         engine.block_manager.reset_prefix_cache()  # the timed replay computes its prompts again
     before = engine.stats()
     preempted_before = engine.scheduler.num_preemptions
-    with record_steps(engine) as log:
+    with throughput.record_steps(engine) as log:
         elapsed, times, _ = throughput.run_loop(engine, trace.prompts, trace.out_lens, trace.arrivals, names)
         end = time.perf_counter()
     after = engine.stats()

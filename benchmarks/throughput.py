@@ -10,7 +10,10 @@ latency. A few short requests run first as a warm-up (kernel compilation);
 on a LoRA engine whose pool holds every adapter, one for each adapter too, so
 the trace runs over resident adapters (else their loads are part of it). The
 trace is replayed --replays times on each engine (default 2) and the last
-replay is reported; every replay's time is printed.
+replay is reported; every replay's time is printed. The last replay's schedule calls are timed and split by
+the kind of step (decode rows only; with prompt tokens; nothing to run): their count, seconds and median
+period (with async scheduling a step's period ends at the next schedule call), and with adapters the LoRA /
+base ratio of each kind's seconds.
 With --adapters N the same trace runs on the base engine and then on a LoRA
 engine (default pool and limits, or --max-loras / --lora-gpu-memory) whose requests each name one of N random
 adapters of rank --lora-rank (or ranks in turn) on all 7 projections, drawn uniformly or with
@@ -30,9 +33,12 @@ engine with it off and then on and prints the ratio of output tokens/s. Writes t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator, NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
@@ -44,6 +50,7 @@ from loraserve import SamplingParams  # noqa: E402
 from loraserve.config import EngineArgs  # noqa: E402
 from loraserve.engine.engine import LLMEngine  # noqa: E402
 from loraserve.lora.request import LoRARequest  # noqa: E402
+from loraserve.sequence import SchedulerOutput  # noqa: E402
 
 
 def length_range(text: str) -> tuple[int, int]:
@@ -103,6 +110,83 @@ def warm_up(engine, vocab: int, prompt_len: int, rng, adapters: list[str]) -> No
         engine.step()
 
 
+class StepRecord(NamedTuple):
+    """One launched step, as scheduled."""
+
+    num_seqs: int
+    num_decode: int  # sequences past their prompt (one new token each)
+    prefill_tokens: int  # tokens of the other sequences (prompt chunks, recompute after preemption)
+    context_tokens: int  # sum over sequences of the tokens attention reads (computed + new)
+    adapters: frozenset[str]  # distinct adapters of the step
+    pool_bytes_used: int  # the adapter pool's use when the step was scheduled (0: no LoRA)
+
+
+STEP_KINDS = ("decode", "prompt", "idle")  # decode rows only; with prompt tokens; nothing to run (schedule empty)
+STEP_LABELS = {"decode": "decode-only steps", "prompt": "steps with prompt tokens", "idle": "empty schedules"}
+
+
+@dataclass
+class StepLog:
+    """The recorded steps, and per schedule call its time and kind (STEP_KINDS)."""
+
+    steps: list[StepRecord]
+    marks: list[tuple[float, str]]  # (perf_counter at the call, kind)
+
+    def _periods(self, end: float) -> list[tuple[str, float]]:
+        """Per schedule call: its kind and the seconds to the next call (the last one's to `end`): the engine's
+        period for that kind of step (with async scheduling a step's time ends at the next schedule)."""
+        calls = [t for t, _ in self.marks] + [end]
+        return [(kind, later - t) for (t, kind), later in zip(self.marks, calls[1:])]
+
+    def seconds_by_kind(self, end: float) -> dict[str, dict]:
+        """Per kind: schedule calls, their periods' seconds and the median period (with async scheduling a
+        decode-only period after a prompt step also carries that step's GPU time: the median is the typical
+        decode step, the sum is where the wall time went)."""
+        periods = {kind: [] for kind in STEP_KINDS}
+        for kind, seconds in self._periods(end):
+            periods[kind].append(seconds)
+        return {kind: {"calls": len(p), "seconds": float(sum(p)), "p50_s": float(np.median(p)) if p else None}
+                for kind, p in periods.items()}
+
+    def trace(self, end: float) -> list[list]:
+        """Per recorded step, in order: [its period's seconds, prompt tokens, decode rows, distinct adapters] (the
+        JSON's step_trace: where a run's time goes, step by step)."""
+        busy = [seconds for kind, seconds in self._periods(end) if kind != "idle"]
+        return [[round(seconds, 6), s.prefill_tokens, s.num_decode, len(s.adapters)]
+                for seconds, s in zip(busy, self.steps)]
+
+
+@contextlib.contextmanager
+def record_steps(engine) -> Iterator[StepLog]:
+    """Wrap engine.scheduler.schedule (an instance attribute over the method, removed on exit) so that each
+    non-empty step it makes is recorded, before the engine advances its sequences, and every call is timed."""
+    log = StepLog([], [])
+    schedule = engine.scheduler.schedule
+    manager = engine.lora_manager
+
+    def recorded() -> SchedulerOutput:
+        pool_used = manager.pool_bytes_used if manager is not None else 0
+        called = time.perf_counter()
+        out = schedule()
+        if out.is_empty:
+            log.marks.append((called, "idle"))
+        else:
+            decode = [s for s in out.scheduled if s.seq.num_computed_tokens >= len(s.seq.prompt_token_ids)]
+            prefill_tokens = out.num_tokens - len(decode)
+            log.steps.append(StepRecord(
+                len(out.scheduled), len(decode), prefill_tokens,
+                sum(s.seq.num_computed_tokens + s.num_new_tokens for s in out.scheduled),
+                frozenset(s.seq.lora_name for s in out.scheduled if s.seq.lora_name is not None), pool_used))
+            log.marks.append((called, "prompt" if prefill_tokens else "decode"))
+        return out
+
+    engine.scheduler.schedule = recorded
+    try:
+        yield log
+    finally:
+        del engine.scheduler.schedule
+
+
 def run_loop(engine, prompts: list[list[int]], out_lens: np.ndarray, arrivals: np.ndarray,
              adapters: list[str | None], prefix: str = "req") -> tuple[float, dict, int]:
     """Submit requests (ids prefix-0, prefix-1, ...) at their arrival times and step until all finish;
@@ -156,8 +240,10 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     for replay in range(args.replays):  # the last one counts; the earlier ones warm the engine up
         engine.block_manager.reset_prefix_cache()  # no replay reuses the prompts of the one before
         preempted_before = engine.scheduler.num_preemptions
-        elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals,
-                                         adapters if lora else [None] * len(prompts), prefix=f"r{replay}")
+        with record_steps(engine) as log:
+            elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals,
+                                             adapters if lora else [None] * len(prompts), prefix=f"r{replay}")
+            end = time.perf_counter()
         replays.append(elapsed)
     short = [rid for i, (rid, t) in enumerate(times.items()) if len(t) != out_lens[i]]
     if short:
@@ -171,7 +257,7 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
               "output_tok_s": total_out / elapsed, "total_tok_s": (total_out + total_in) / elapsed,
               "requests_per_s": n / elapsed, "engine_steps": steps,
               "preemptions": engine.scheduler.num_preemptions - preempted_before, "adapters_resident": len(warmed),
-              "replay_seconds": replays,
+              "replay_seconds": replays, "step_seconds": log.seconds_by_kind(end),
               "ttft_s": bc.percentiles(ttft), "itl_s": bc.percentiles(itl), "e2e_s": bc.percentiles(e2e)}
     del engine
     bc.release_memory()
@@ -188,6 +274,10 @@ def print_result(name: str, result: dict, device) -> None:
           + (f", {result['adapters_resident']} adapters loaded before timing" if result["adapters_resident"] else "")
           + (f"; replays took {', '.join(f'{t:.2f}' for t in result['replay_seconds'])} s"
              if len(result["replay_seconds"]) > 1 else ""))
+    split = result["step_seconds"]
+    print("  " + ", ".join(f"{split[kind]['calls']} {label} {split[kind]['seconds']:.2f} s"
+                           + (f" (median {1e3 * split[kind]['p50_s']:.2f} ms)" if split[kind]["calls"] else "")
+                           for kind, label in STEP_LABELS.items()))
     bc.print_table(["ms", "p50", "p90", "p99"],
                    [[label] + [1e3 * v if v is not None else None for v in result[key].values()]
                     for label, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))])
@@ -232,7 +322,10 @@ def main(argv=None) -> int:
         base, lora = results["base" + suffix], results["lora" + suffix]
         print(f"LoRA / base: output tok/s {lora['output_tok_s'] / base['output_tok_s']:.3f}, total tok/s "
               f"{lora['total_tok_s'] / base['total_tok_s']:.3f}, engine steps "
-              f"{lora['engine_steps'] / base['engine_steps']:.2f}x ({lora['engine_steps']} / {base['engine_steps']})")
+              f"{lora['engine_steps'] / base['engine_steps']:.2f}x ({lora['engine_steps']} / {base['engine_steps']})"
+              + "".join(f", {label} {lora['step_seconds'][kind]['seconds'] / base['step_seconds'][kind]['seconds']:.3f}x"
+                        for kind, label in STEP_LABELS.items()
+                        if kind != "idle" and base["step_seconds"][kind]["seconds"] > 0))
     bc.write_json(args.out, "throughput.json", {"benchmark": "throughput", "args": vars(args),
                                                 "env": bc.environment(device), "results": results})
     return 0
