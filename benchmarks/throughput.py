@@ -240,7 +240,8 @@ def run_engine(args, device, lora: bool, prompts, out_lens, arrivals, adapters, 
     for replay in range(args.replays):  # the last one counts; the earlier ones warm the engine up
         engine.block_manager.reset_prefix_cache()  # no replay reuses the prompts of the one before
         preempted_before = engine.scheduler.num_preemptions
-        with record_steps(engine) as log:
+        last = replay == args.replays - 1  # only its steps are recorded: the others run as they did before
+        with record_steps(engine) if last else contextlib.nullcontext() as log:
             elapsed, times, steps = run_loop(engine, prompts, out_lens, arrivals,
                                              adapters if lora else [None] * len(prompts), prefix=f"r{replay}")
             end = time.perf_counter()
