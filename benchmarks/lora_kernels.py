@@ -18,11 +18,14 @@ separate delta) for every layer at T = 32, 128, 256 tokens with 8, 64 or 256 dis
 pool of 1024 adapters' pages, each timed launch reading other adapters than the one before) against its byte
 floor: x, the distinct adapters' A and B, the delta written. --prefill times the shrink and the in-place
 expand of every layer at T = 8192 with 8 adapters of rank 16 or of ranks 8/16/32/64, against their floors.
-Both use only the kernels' public launch functions, so the same script measures another build of the package
-(PYTHONPATH) for a before/after table in one run.
+--prefill-steps times the shrink, the in-place expand and gate/up's silu_and_mul with the product's factors
+(against the plain one) in steps that prefill for many adapters (STEP_MIXES: up to 28 prompts of 288 tokens
+and 187 decode rows of 80 more adapters), each in the engine's shape for the step's T. All three use only the
+kernels' public launch functions, so the same script measures another build of the package (PYTHONPATH) for
+a before/after table in one run.
 
     python benchmarks/lora_kernels.py [--quick | --full] [--sweep] [--out DIR]
-    python benchmarks/lora_kernels.py --decode-grid --prefill --out DIR
+    python benchmarks/lora_kernels.py --decode-grid --prefill --prefill-steps --out DIR
     python benchmarks/lora_kernels.py --plot DIR/lora_kernels.json
 """
 import argparse
@@ -38,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.lora_expand import ExpandConfig, lora_expand
+from loraserve.kernels.fused import silu_and_mul
+from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, lora_expand
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
@@ -510,6 +514,69 @@ def prefill_kernels(bw, reps, num_tokens=8192):
     return rows
 
 
+# --prefill-steps: the tokens of a step that prefills, as (prompts, tokens per prompt, decode rows, adapters of the
+# decode rows beside the prompts'): 8 long prompts; 28 prompts of 288 tokens (a step of the many-adapters trace);
+# the same with the decode rows of 80 more adapters; 14 and 7 prompts of 288 (T = 4,032 and 2,016)
+STEP_MIXES = {"8 x 1024": (8, 1024, 0, 0), "28 x 288": (28, 288, 0, 0), "28 x 288 + 187 rows": (28, 288, 187, 80),
+              "14 x 288": (14, 288, 0, 0), "7 x 288": (7, 288, 0, 0)}
+STEP_POOL = 512  # rank-16 adapters in the pool the steps' adapters are drawn from
+
+
+def step_adapters(mix, rng):
+    """[T] adapter ids of a step of STEP_MIXES[mix], prompts' tokens first, each prompt its own adapter, the decode
+    rows spread over their own adapters (every one of them used)."""
+    prompts, length, rows, others = STEP_MIXES[mix]
+    ids = rng.permutation(STEP_POOL)
+    tokens = [np.repeat(ids[:prompts], length)]
+    if rows:
+        decode = ids[prompts:prompts + others][rng.integers(0, others, rows)]
+        decode[:others] = ids[prompts:prompts + others]
+        tokens.append(decode)
+    return np.concatenate(tokens)
+
+
+def prefill_steps(reps, ops=3):
+    """Per layer and STEP_MIXES step, us in a CUDA graph (ops launches, each step's own adapters and tensors): the
+    shrink, the in-place expand (q/k/v, o, down), and for gate/up silu_and_mul expanding the product from its
+    factors against the plain silu_and_mul, each in the engine's shape for the step's T."""
+    rows = []
+    gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
+    print(f"\nsteps that prefill, rank 16, adapters drawn from {STEP_POOL}: us per launch")
+    for name in LAYERS:
+        layer = PoolLayer(name, STEP_POOL, GRID_RANK, [GRID_RANK], gen)
+        sr = layer.num_slices * GRID_RANK
+        for mix in STEP_MIXES:
+            steps = [step_adapters(mix, rng) for _ in range(ops)]
+            t = len(steps[0])
+            builders = [LoRAMetaBuilder(t, 256, layer.table) for _ in range(ops)]
+            metas = [b.build(ids) for b, ids in zip(builders, steps)]
+            xs = [torch.randn(t, layer.hidden, device=DEV, dtype=DTYPE) for _ in range(ops)]
+            ys = [torch.randn(t, layer.n_out, device=DEV, dtype=DTYPE) for _ in range(ops)]
+            inters = [torch.randn(t, sr, device=DEV) for _ in range(ops)]
+            row = dict(layer=name, step=mix, T=t, adapters=len(set(steps[0].tolist())))
+            row["shrink_us"] = graph_us([lambda i=i: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices,
+                                                                 inters[i]) for i in range(ops)], reps)
+            if name == "gate_up":
+                factors = [LoRAFactors(inters[i], layer.b, layer.rank, metas[i], layer.offsets) for i in range(ops)]
+                row["silu_and_mul_us"] = graph_us([lambda i=i: silu_and_mul(ys[i]) for i in range(ops)], reps)
+                row["silu_and_mul_lora_us"] = graph_us([lambda i=i: silu_and_mul(ys[i], factors[i])
+                                                        for i in range(ops)], reps)
+                more = (f"silu_and_mul {row['silu_and_mul_lora_us']:7.1f} "
+                        f"({row['silu_and_mul_lora_us'] / row['silu_and_mul_us']:.2f}x the plain one)")
+            else:
+                row["expand_us"] = graph_us([lambda i=i: lora_expand(inters[i], layer.b, layer.rank, metas[i],
+                                                                     layer.offsets, ys[i])
+                                             for i in range(ops)], reps)
+                more = f"expand {row['expand_us']:7.1f}"
+            rows.append(row)
+            print(f"{name:8s} {mix:20s} T={t:5d} {row['adapters']:4d} adapters  shrink {row['shrink_us']:7.1f}  "
+                  + more)
+            del metas, builders, xs, ys, inters
+        del layer
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
@@ -522,6 +589,9 @@ def main():
                         help="--decode-grid: also other expand and shrink shapes (GRID_EXPAND_VARIANTS, "
                              "GRID_SHRINK_VARIANTS)")
     parser.add_argument("--prefill", action="store_true", help="the prefill shrink and expand at T = 8192")
+    parser.add_argument("--prefill-steps", action="store_true",
+                        help="the shrink, expand and gate/up's silu_and_mul in steps that prefill for many adapters "
+                             "(STEP_MIXES)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/")
     parser.add_argument("--plot", metavar="JSON", help="only redraw the PNG from a JSON result")
@@ -550,9 +620,10 @@ def main():
     data = dict(device=props.name, date=datetime.date.today().isoformat(),
                 torch=torch.__version__, triton=triton.__version__, bandwidth=bw, matmul=rate,
                 max_loras=MAX_LORAS, dtype=str(DTYPE), cases=[], mixed=[], sweep=[])
-    if args.decode_grid or args.prefill:
+    if args.decode_grid or args.prefill or args.prefill_steps:
         data["decode_grid"] = decode_grid(bw, args.reps, args.grid_variants) if args.decode_grid else []
         data["prefill"] = prefill_kernels(bw, args.reps) if args.prefill else []
+        data["prefill_steps"] = prefill_steps(args.reps) if args.prefill_steps else []
         with open(os.path.join(args.out, "lora_kernels_grid.json"), "w") as f:
             json.dump(data, f, indent=1)
         return

@@ -262,7 +262,8 @@ def expand_grid(cfg: ExpandConfig, num_tokens: int, n_out: int, num_loras: int, 
     length), with overwrite one more for the base group's partial tile."""
     programs = token_programs(num_tokens, cfg.block_m, num_loras)
     if cfg.program_scale > 1:
-        programs = min(cfg.program_scale * programs, cdiv(num_tokens, cfg.block_m) + min(num_loras, num_tokens))
+        programs = min(cfg.program_scale * programs,
+                       token_programs(num_tokens, cfg.block_m, num_loras, every_tile=True))
     return cdiv(cdiv(n_out, cfg.block_n), cfg.col_tiles), programs + int(overwrite)
 
 

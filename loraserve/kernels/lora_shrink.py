@@ -4,8 +4,9 @@ One launch covers all slices and all adapters of a step. A's rank rows live in
 pool pages (lora_meta: PAGE_RANK rows per page, found through the page table),
 so each row is gathered from its page. Tokens are grouped by slot (LoRAMeta).
 The grid has static sizes only: G = cdiv(T, BLOCK_M) + min(L, T, LOOSE_TILES)
-token programs times the row tiles of the S*R rows times the static split-K
-factor (SPLIT_K); neither the pool's size nor max_loras grows it. A work item
+token programs (long prefill shapes: + min(L, T), a program for every tile a
+step can have) times the row tiles of the S*R rows times the static split-K
+factor (SPLIT_K); the pool's size never grows it. A work item
 is (token tile of an adapter, row tile, split), the token tiles read from the
 step's tile map (one load each) and their number from its tile count. While
 the step's adapter tiles fit the G token programs, program (row tile x split,
@@ -51,7 +52,7 @@ LOOSE_TILES = 8
 # H200 with 8 adapters: at T = 128..256 the prefill shape leaves too few programs.
 SHRINK_DECODE_MAX_TOKENS = 256
 # From this many tokens the prefill shrink does not split K (its token tiles are enough programs).
-PREFILL_UNSPLIT_TOKENS = 8192
+PREFILL_UNSPLIT_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class ShrinkConfig:
     # spread a step's work over the grid at run time (decode shapes); else the token programs take their tiles
     # in turn (prefill shapes: few, large tiles)
     dynamic: bool = False
+    # one token program per tile a step can have (token_programs), so that no tile waits for another on its
+    # program: the GPU starts each as a slot frees up (prefill shapes)
+    tile_programs: bool = False
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of ints, called for every launch
@@ -77,11 +81,16 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
     if num_tokens <= SHRINK_DECODE_MAX_TOKENS:
         return ShrinkConfig(16, min_block_n, 128, max(1, min(16, cdiv(hidden, 256))), dynamic=True)
     block_n = max(min_block_n, min(64, next_power_of_2(sr)))
-    # Prefill: K in steps of 128; the split shrinks as the token tiles alone fill the GPU (measured on an H100,
-    # Llama-3-8B's four LoRA layers at T = 8192: unsplit 10% faster than 4-way; the four together at 1.13x
-    # their byte floor, q/k/v's alone at 1.34x).
-    split = 1 if num_tokens >= PREFILL_UNSPLIT_TOKENS else (2 if num_tokens >= PREFILL_UNSPLIT_TOKENS // 4 else 4)
-    return ShrinkConfig(64, block_n, 128, max(1, min(split, cdiv(hidden, 1024))), num_warps=8, num_stages=4)
+    if num_tokens >= PREFILL_UNSPLIT_TOKENS:
+        # Unsplit K, a program per tile the step can have (measured on an H200, Llama-3-8B's four LoRA layers
+        # at T = 2016-8251 with 2-28 prompts and up to 187 decode rows of 80 more adapters: 0.63-1.06x the
+        # former 64-token tiles on 8 warps split 1-2 ways on a fixed grid, 0.85x in all; there, once a step's
+        # tiles outnumbered the programs, each program ran a second tile after the first: 28 prompts of 288
+        # tokens took 1.6x the time of 8 of 1024). 32-token tiles below 4096 tokens keep enough of them.
+        block_m = 64 if num_tokens >= 2 * PREFILL_UNSPLIT_TOKENS else 32
+        return ShrinkConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=4, tile_programs=True)
+    # Shorter prefill: K in steps of 128, split 4 ways (measured on an H100, Llama-3-8B's four LoRA layers).
+    return ShrinkConfig(64, block_n, 128, max(1, min(4, cdiv(hidden, 1024))), num_warps=8, num_stages=4)
 
 
 @triton.jit
@@ -248,18 +257,21 @@ _shrink_launch = CachedLauncher(_shrink_kernel)
 _SHRINK_VARIABLE = ("x_ptr", "num_tokens", "stride_xt", "stride_xk")  # what a bound shrink takes per call
 
 
-def token_programs(num_tokens: int, block_m: int, num_loras: int) -> int:
+def token_programs(num_tokens: int, block_m: int, num_loras: int, every_tile: bool = False) -> int:
     """Programs on the token-tile axis: enough for every tile of T tokens over at most LOOSE_TILES adapters
     at once; with more adapters (more, smaller tiles) the kernels spread the tiles over the same programs
     (the shrink splits K less, the expand gives each program more columns; beyond that programs take
-    several in turn), so the grid does not grow with max_loras."""
-    return cdiv(num_tokens, block_m) + min(num_loras, num_tokens, LOOSE_TILES)
+    several in turn), so the grid does not grow with max_loras in the decode shapes. every_tile: one
+    program per tile a step of T tokens over L slots can have (the tile map's length, at most
+    2 cdiv(T, BLOCK_M) for prefill-sized tiles); those past the step's tiles end after one load."""
+    loose = min(num_loras, num_tokens) if every_tile else min(num_loras, num_tokens, LOOSE_TILES)
+    return cdiv(num_tokens, block_m) + loose
 
 
 def shrink_grid(cfg: ShrinkConfig, num_tokens: int, sr: int, num_loras: int) -> tuple[int, int]:
     """(row tiles x split-K programs, token-tile programs): static sizes only; the kernel spreads the step's
     work items over all of them (the module docstring)."""
-    return (cdiv(sr, cfg.block_n) * cfg.split_k, token_programs(num_tokens, cfg.block_m, num_loras))
+    return (cdiv(sr, cfg.block_n) * cfg.split_k, token_programs(num_tokens, cfg.block_m, num_loras, cfg.tile_programs))
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor,

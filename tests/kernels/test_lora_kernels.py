@@ -27,7 +27,8 @@ from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, expand_conf
 from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, TILE_BLOCKS
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
-from loraserve.kernels.lora_shrink import ShrinkConfig, effective_split, lora_shrink, shrink_config, shrink_grid
+from loraserve.kernels.lora_shrink import (LOOSE_TILES, ShrinkConfig, effective_split, lora_shrink, shrink_config,
+                                           shrink_grid)
 from loraserve.lora.metadata import LoRAMetaBuilder
 from loraserve.lora.side_stream import LoRAScratch, lora_delta
 
@@ -165,6 +166,7 @@ NARROW_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3)
 WIDE_DECODE_EXPAND = ExpandConfig(16, 128, 16, num_warps=4, col_tiles=4)  # several column tiles per program
 # the decode shapes spread a step's work at run time (dynamic): small versions of them
 DYNAMIC_SHRINK = ShrinkConfig(16, 16, 32, 3, dynamic=True)
+TILE_PROGRAMS_SHRINK = ShrinkConfig(32, 32, 32, 1, num_warps=4, num_stages=2, tile_programs=True)
 DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True)
 SCALED_EXPAND = ExpandConfig(16, 32, 16, col_tiles=2, dynamic=True, program_scale=4)  # more token programs
 # the pages of an item's first BLOCK_R ranks loaded once for its column tiles
@@ -201,6 +203,8 @@ CASES = [
     (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, HOISTED_EXPAND),
     (300, (48, 24, 24), 40, 3, 12, "uniform", 0.1, None, HOISTED_PREFILL_EXPAND),
     (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, HOISTED_EXPAND),
+    # a program per tile the step can have: more adapters' tiles than the fixed grid's programs
+    (64, (48, 16), 16, 24, 40, "distinct", 0.1, TILE_PROGRAMS_SHRINK, None),
 ]
 
 
@@ -231,6 +235,18 @@ def test_kernels_match_reference(index):
     assert torch.equal(wide[:, :4], before[:, :4]) and torch.equal(wide[:, -5:], before[:, -5:])
 
 
+def test_long_prefill_shrink_gives_every_tile_a_program():
+    """From PREFILL_UNSPLIT_TOKENS the shrink does not split K and its grid has a token program for every tile
+    a step can have (one per BLOCK_M tokens, and a partial tile per slot), so no tile waits for another."""
+    for num_tokens, block_m in ((8192, 64), (4096, 64), (2048, 32)):
+        cfg = shrink_config(num_tokens, 4096, 48)
+        assert (cfg.block_m, cfg.split_k, cfg.tile_programs) == (block_m, 1, True)
+        assert shrink_grid(cfg, num_tokens, 48, 256) == (1, num_tokens // block_m + 256)
+    shorter = shrink_config(1024, 4096, 48)
+    assert shorter.split_k == 4 and not shorter.tile_programs
+    assert shrink_grid(shorter, 1024, 48, 256)[1] == 1024 // 64 + LOOSE_TILES
+
+
 def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens, kind, base, dtype=torch.float32,
                                device=DEVICE, rtol=1e-5, atol=1e-5):
     """silu_and_mul with gate/up's LoRA product as factors equals the product expanded into gate/up
@@ -256,6 +272,7 @@ def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens
     (40, 16, 3, 70, "skewed", 0.2),  # tiles of one adapter and tiles of several
     (130, 24, 4, 33, "distinct", 0.1),  # every row its own adapter; ranks past one BLOCK_R step
     (16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
+    (300, 16, 12, 60, "distinct", 0.1),  # more adapters' tiles than cdiv(T, 16) + LOOSE_TILES; 5 column tiles
 ])
 def test_silu_and_mul_expands_lora_factors(inter_size, rank_max, num_loras, num_tokens, kind, base):
     check_silu_and_mul_factors(11, inter_size, rank_max, num_loras, num_tokens, kind, base)
