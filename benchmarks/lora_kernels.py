@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from loraserve.kernels.fused import silu_and_mul
-from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, lora_expand
+from loraserve.kernels.lora_expand import ExpandConfig, LoRAFactors, expand_config, lora_expand
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config
@@ -443,6 +443,10 @@ GRID_EXPAND_VARIANTS = (
     ("hoisted pages", ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True, hoist_pages=True), 1),
     ("hoisted pages, 4x programs",
      ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True, program_scale=4, hoist_pages=True), 1),
+    ("pipelined column tiles, 2 stages", ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True,
+                                                      col_stages=2), 1),
+    ("pipelined column tiles, 3 stages", ExpandConfig(16, 128, 16, num_warps=4, num_stages=1, dynamic=True,
+                                                      col_stages=3), 1),
 )
 
 
@@ -520,6 +524,9 @@ def prefill_kernels(bw, reps, num_tokens=8192):
 STEP_MIXES = {"8 x 1024": (8, 1024, 0, 0), "28 x 288": (28, 288, 0, 0), "28 x 288 + 187 rows": (28, 288, 187, 80),
               "14 x 288": (14, 288, 0, 0), "7 x 288": (7, 288, 0, 0)}
 STEP_POOL = 512  # rank-16 adapters in the pool the steps' adapters are drawn from
+# --prefill-steps: the in-place expand also timed in these shapes, (name, changes to the engine's shape for T)
+STEP_EXPAND_VARIANTS = (("pipelined column tiles, 2 stages", dict(col_stages=2)),
+                        ("pipelined column tiles, 3 stages", dict(col_stages=3)))
 
 
 def step_adapters(mix, rng):
@@ -537,8 +544,9 @@ def step_adapters(mix, rng):
 
 def prefill_steps(reps, ops=3):
     """Per layer and STEP_MIXES step, us in a CUDA graph (ops launches, each step's own adapters and tensors): the
-    shrink, the in-place expand (q/k/v, o, down), and for gate/up silu_and_mul expanding the product from its
-    factors against the plain silu_and_mul, each in the engine's shape for the step's T."""
+    shrink, the in-place expand (q/k/v, o, down; also in each STEP_EXPAND_VARIANTS shape), and for gate/up
+    silu_and_mul expanding the product from its factors against the plain silu_and_mul, each in the engine's
+    shape for the step's T."""
     rows = []
     gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
     print(f"\nsteps that prefill, rank 16, adapters drawn from {STEP_POOL}: us per launch")
@@ -568,6 +576,11 @@ def prefill_steps(reps, ops=3):
                                                                      layer.offsets, ys[i])
                                              for i in range(ops)], reps)
                 more = f"expand {row['expand_us']:7.1f}"
+                for label, change in STEP_EXPAND_VARIANTS:
+                    cfg = dataclasses.replace(expand_config(t), **change)
+                    row[f"expand_us ({label})"] = graph_us([lambda i=i, cfg=cfg: lora_expand(
+                        inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], cfg) for i in range(ops)], reps)
+                    more += f", {label} {row[f'expand_us ({label})']:7.1f}"
             rows.append(row)
             print(f"{name:8s} {mix:20s} T={t:5d} {row['adapters']:4d} adapters  shrink {row['shrink_us']:7.1f}  "
                   + more)

@@ -17,7 +17,8 @@ program of its own, so that each program finds its tokens once. The K loop runs
 over the adapter's own rank only (in steps of BLOCK_R), so a rank-8 adapter
 reads and computes rank 8 whatever max_lora_rank is (a config may load the
 pages of an item's first BLOCK_R ranks once for all its column tiles:
-hoist_pages). A column tile that
+hoist_pages; or its pages and its tokens' factors, every rank in one step, and
+pipeline its column tiles' loads: col_stages). A column tile that
 straddles a slice boundary handles each slice under a mask. The sum is added
 into y in place (y may be a column range of a larger tensor); rows of tokens
 without a slot are never touched.
@@ -40,12 +41,14 @@ import torch
 import triton
 import triton.language as tl
 
-from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, pdl_launch
+from loraserve.kernels.launch import BoundLaunch, CachedLauncher, cdiv, next_power_of_2, pdl_launch
 from loraserve.kernels.lora_meta import PAGE_RANK, LoRAMeta
 from loraserve.kernels.lora_shrink import check_meta, check_pages, dot_precision, slot_work, token_programs
 
 # Token counts up to this use the decode-shaped expand (16-token tiles, the step's work spread over the grid).
 EXPAND_SMALL_TILE_TOKENS = 256
+# The most slices (q/k/v: 3) a packed layer may have for the expand with pipelined column tiles (col_stages > 1).
+MAX_PIPELINED_SLICES = 3
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class ExpandConfig:
     # load the pages of a work item's first BLOCK_R ranks once for all its column tiles, not once per column
     # tile (each such load is a dependent global load before the tile's B load)
     hoist_pages: bool = False
+    # > 1: a work item loads its pages and its tokens' factors (every rank, of each slice) once and pipelines its
+    # column tiles' loads this deep (one dot per slice of a tile, over BLOCK_R >= the rank width; packed layers of
+    # at most MAX_PIPELINED_SLICES slices); 1: rank steps of block_r within each column tile in turn
+    col_stages: int = 1
 
 
 @functools.lru_cache(maxsize=4096)  # a pure function of an int, called for every launch
@@ -155,13 +162,55 @@ def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, first_pa
 
 
 @triton.jit
+def _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, tok_ok, b_ptr, page_row, rank,
+                           rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
+                           SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
+                           OVERWRITE: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr, COL_STAGES: tl.constexpr):
+    """A work item's column tiles with its pages and factors loaded once (BLOCK_R >= rank_max) and the tiles'
+    loads pipelined COL_STAGES deep; each tile sums one dot per slice over the columns of that slice."""
+    offs_r = tl.arange(0, BLOCK_R)
+    r_ok = offs_r < rank
+    pages = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # [BLOCK_R]
+    b_rows = b_ptr + pages.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+    if PDL:  # launched early beside the shrink: wait for its intermediate
+        tl.extra.cuda.gdc_wait()
+    a_mask = tok_ok[:, None] & r_ok[None, :]
+    a0 = tl.load(inter_rows + offs_r[None, :] * stride_ir, mask=a_mask, other=0.0)  # [BLOCK_M, BLOCK_R] slice 0
+    a1 = a0
+    a2 = a0
+    if NUM_SLICES > 1:
+        a1 = tl.load(inter_rows + (rank_max + offs_r)[None, :] * stride_ir, mask=a_mask, other=0.0)
+    if NUM_SLICES > 2:
+        a2 = tl.load(inter_rows + (2 * rank_max + offs_r)[None, :] * stride_ir, mask=a_mask, other=0.0)
+    for j in tl.range(num_col_tiles, num_stages=COL_STAGES):
+        cols = (first_col_tile + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+        col_ok = cols < n_out
+        mask = tok_ok[:, None] & col_ok[None, :]
+        if OVERWRITE:
+            old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_rows.dtype.element_ty)
+        else:
+            old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+        b = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        acc = tl.dot(a0, tl.where((cols < SLICE_OFFSETS[1])[None, :], b, 0.0), input_precision=PRECISION)
+        if NUM_SLICES > 1:
+            in_slice = (cols >= SLICE_OFFSETS[1]) & (cols < SLICE_OFFSETS[2])
+            acc += tl.dot(a1, tl.where(in_slice[None, :], b, 0.0), input_precision=PRECISION)
+        if NUM_SLICES > 2:
+            acc += tl.dot(a2, tl.where((cols >= SLICE_OFFSETS[2])[None, :], b, 0.0), input_precision=PRECISION)
+        product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
+        tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
+
+
+@triton.jit
 def _expand_item(code, first_col_tile, num_col_tiles,
                  inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                  num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn, stride_pa,
                  stride_yt, stride_yn,
                  SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
-                 PAGE: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr):
+                 PAGE: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr, COL_STAGES: tl.constexpr):
     """One work item: num_col_tiles column tiles from first_col_tile of the token tile of map entry `code`."""
     slot, m_tile = code >> 16, code & 0xFFFF
     rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
@@ -172,16 +221,22 @@ def _expand_item(code, first_col_tile, num_col_tiles,
         inter_rows = inter_ptr + tok.to(tl.int64)[:, None] * stride_it
         y_rows = y_ptr + tok.to(tl.int64)[:, None] * stride_yt
         page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
-        if HOIST_PAGES:  # the pages of the first BLOCK_R ranks, once for all the item's column tiles
-            first_pages = tl.load(page_row + tl.arange(0, BLOCK_R) // PAGE, mask=tl.arange(0, BLOCK_R) < rank,
-                                  other=0)  # [BLOCK_R]
+        if COL_STAGES > 1:
+            _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, tok_ok, b_ptr, page_row, rank,
+                                   rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
+                                   SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE,
+                                   PDL, COL_STAGES)
         else:
-            first_pages = tl.zeros((BLOCK_R,), dtype=tl.int32)
-        for j in range(num_col_tiles):
-            _expand_col_tile((first_col_tile + j) * BLOCK_N, inter_rows, y_rows, tok_ok, b_ptr, page_row,
-                             first_pages, rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
-                             SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE, PDL,
-                             HOIST_PAGES)
+            if HOIST_PAGES:  # the pages of the first BLOCK_R ranks, once for all the item's column tiles
+                first_pages = tl.load(page_row + tl.arange(0, BLOCK_R) // PAGE, mask=tl.arange(0, BLOCK_R) < rank,
+                                      other=0)  # [BLOCK_R]
+            else:
+                first_pages = tl.zeros((BLOCK_R,), dtype=tl.int32)
+            for j in range(num_col_tiles):
+                _expand_col_tile((first_col_tile + j) * BLOCK_N, inter_rows, y_rows, tok_ok, b_ptr, page_row,
+                                 first_pages, rank, rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn,
+                                 stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION,
+                                 OVERWRITE, PAGE, PDL, HOIST_PAGES)
 
 
 @triton.jit
@@ -206,7 +261,7 @@ def _expand_kernel(
     SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PAGE: tl.constexpr,
-    DYNAMIC: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr,
+    DYNAMIC: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr, COL_STAGES: tl.constexpr,
 ):
     # With PDL, programs without work end before gdc_wait. That is safe: a program with work waits for
     # the whole shrink grid, and the expand has work on every tile where the shrink has some (an
@@ -237,7 +292,7 @@ def _expand_kernel(
                          inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                          num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
                          stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES)
+                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES, COL_STAGES)
             u += programs
     else:
         # the grid's own items: program (column group, p) takes token tiles p, p + G, ... (G token programs)
@@ -248,7 +303,7 @@ def _expand_kernel(
                          inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                          num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
                          stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES)
+                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES, COL_STAGES)
             tile += tl.num_programs(1)
             code = next_code
 
@@ -316,6 +371,12 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
+    block_r = cfg.block_r
+    if cfg.col_stages > 1:  # every rank in one step
+        if num_slices > MAX_PIPELINED_SLICES:
+            raise ValueError(f"an expand with pipelined column tiles takes at most {MAX_PIPELINED_SLICES} slices, "
+                             f"got {num_slices}")
+        block_r = max(block_r, next_power_of_2(rank_max))
     grid = expand_grid(cfg, num_tokens, n_out, num_loras, overwrite)
     tile_map = meta.tile_map(cfg.block_m)
     launch = functools.partial(_expand_launch.call_and_bind, variable=("num_tokens",)) if bind else _expand_launch
@@ -326,9 +387,9 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         inter.stride(0), inter.stride(1),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), meta.page_table.stride(0), y.stride(0), y.stride(1),
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=cfg.block_r, COL_TILES=cfg.col_tiles,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic,
-        HOIST_PAGES=cfg.hoist_pages,
+        HOIST_PAGES=cfg.hoist_pages, COL_STAGES=cfg.col_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
 

@@ -172,6 +172,9 @@ SCALED_EXPAND = ExpandConfig(16, 32, 16, col_tiles=2, dynamic=True, program_scal
 # the pages of an item's first BLOCK_R ranks loaded once for its column tiles
 HOISTED_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True, hoist_pages=True)
 HOISTED_PREFILL_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, hoist_pages=True)
+# an item's pages and factors loaded once, its column tiles pipelined: in place and writing a delta (dynamic)
+PIPELINED_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, col_stages=2)
+PIPELINED_DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True, col_stages=3)
 PREFILL = "prefill"  # the prefill-shaped config, used at small T
 CASES = [
     # hidden, slice sizes, R, L, T, popularity, base fraction, shrink config, expand config
@@ -203,6 +206,12 @@ CASES = [
     (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, HOISTED_EXPAND),
     (300, (48, 24, 24), 40, 3, 12, "uniform", 0.1, None, HOISTED_PREFILL_EXPAND),
     (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, HOISTED_EXPAND),
+    # pipelined column tiles: 1-3 slices, tiles straddling slice boundaries, ranks past 16 (one dot over 32 or 64)
+    (72, (40, 16, 16), 16, 3, 20, "skewed", 0.25, None, PIPELINED_EXPAND),
+    (300, (48, 24, 24), 40, 3, 12, "uniform", 0.1, None, PIPELINED_EXPAND),
+    (100, (100, 36), 12, 4, 40, "distinct", 0.1, SPLIT_SHRINK, PIPELINED_EXPAND),
+    (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
+    (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
     # a program per tile the step can have: more adapters' tiles than the fixed grid's programs
     (64, (48, 16), 16, 24, 40, "distinct", 0.1, TILE_PROGRAMS_SHRINK, None),
 ]
@@ -319,7 +328,7 @@ def test_lora_apply_and_reference(kind, hidden, monkeypatch):
         assert torch.equal(y_cpu, y_ref)
 
 
-@pytest.mark.parametrize("config", [None, SCALED_EXPAND, HOISTED_EXPAND])
+@pytest.mark.parametrize("config", [None, SCALED_EXPAND, HOISTED_EXPAND, PIPELINED_DYNAMIC_EXPAND])
 @pytest.mark.parametrize("num_tokens,num_loras", [(1, 4), (24, 4), (70, 4), (90, 60)])
 def test_lora_apply_into_a_float32_delta_writes_every_row(num_tokens, num_loras, config):
     """overwrite=True: a float32 y poisoned with NaN ends as exactly the LoRA product, zeros on base rows

@@ -10,11 +10,13 @@ weights between replays. The split-K shrink's
 in-launch sum (whichever program arrives last) is bit-identical launch after
 launch and graph replay after replay, and leaves its tile counters at zero.
 """
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from loraserve.kernels.lora_expand import lora_expand
+from loraserve.kernels.lora_expand import expand_config, lora_expand
 from loraserve.kernels.lora_ops import lora_apply, lora_apply_ref
 from loraserve.kernels.lora_reference import lora_expand_ref, lora_shrink_ref
 from loraserve.kernels.lora_shrink import lora_shrink, shrink_config
@@ -88,6 +90,31 @@ def test_silu_and_mul_expands_lora_factors_gpu(inter_size, rank_max, num_loras, 
     tol = TOL[dtype][1]
     check_silu_and_mul_factors(21, inter_size, rank_max, num_loras, num_tokens, kind, base, dtype=dtype,
                                device="cuda", rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("overwrite", [False, True])
+@pytest.mark.parametrize("hidden,sizes,rank_max,num_loras,num_tokens,kind", [
+    (4096, (4096, 1024, 1024), 16, 200, 256, "distinct"),  # a decode step of many adapters (dynamic items)
+    (4096, (4096,), 64, 40, 100, "uniform"),  # ranks up to 64 in one dot
+    (4100, (1000, 300, 300), 12, 5, 2050, "skewed"),  # a prefill shape, tiles straddling slices
+])
+def test_pipelined_expand_matches_reference_gpu(hidden, sizes, rank_max, num_loras, num_tokens, kind, overwrite,
+                                                dtype):
+    """ExpandConfig.col_stages: the engine's shape for T with its pages and factors loaded once per item and its
+    column tiles pipelined gives the reference product, in place and into a delta."""
+    case = make_case(31, hidden, sizes, rank_max, num_loras, num_tokens, kind, 0.1, dtype=dtype, device="cuda")
+    rank_max = case["meta"].rank_width
+    inter = poisoned_inter(case, rank_max)
+    tol = TOL[dtype][1]
+    config = dataclasses.replace(expand_config(num_tokens), col_stages=3)
+    y0 = torch.randn(num_tokens, sum(sizes), generator=case["gen"]).to("cuda", dtype)
+    y_kernel, y_ref = (y0.clone(), y0.clone()) if not overwrite else (torch.full_like(y0, float("nan")),
+                                                                      torch.zeros_like(y0))
+    lora_expand(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_kernel, config,
+                overwrite=overwrite)
+    lora_expand_ref(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], y_ref)
+    check_expand_result(case, y0 if not overwrite else torch.zeros_like(y0), y_kernel, y_ref, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("num_tokens", [8, 300])
