@@ -519,11 +519,15 @@ def prefill_kernels(bw, reps, num_tokens=8192):
 
 
 # --prefill-steps: the tokens of a step that prefills, as (prompts, tokens per prompt, decode rows, adapters of the
-# decode rows beside the prompts'): 8 long prompts; 28 prompts of 288 tokens (a step of the many-adapters trace);
-# the same with the decode rows of 80 more adapters; 14 and 7 prompts of 288 (T = 4,032 and 2,016)
-STEP_MIXES = {"8 x 1024": (8, 1024, 0, 0), "28 x 288": (28, 288, 0, 0), "28 x 288 + 187 rows": (28, 288, 187, 80),
-              "14 x 288": (14, 288, 0, 0), "7 x 288": (7, 288, 0, 0)}
+# decode rows beside the prompts'; 0: the prompts' adapters): few long prompts, and prompts of 288 tokens (the
+# many-adapters trace's steps) alone or beside decode rows, at T = 8,192, 4,096 and 2,048 (about)
+STEP_MIXES = {"8 x 1024": (8, 1024, 0, 0), "8 x 1000 + 192 rows": (8, 1000, 192, 0),
+              "28 x 288": (28, 288, 0, 0), "28 x 288 + 187 rows": (28, 288, 187, 80),
+              "2 x 2048": (2, 2048, 0, 0), "14 x 288": (14, 288, 0, 0), "14 x 288 + 64 rows": (14, 288, 64, 40),
+              "2 x 1024": (2, 1024, 0, 0), "7 x 288": (7, 288, 0, 0), "7 x 288 + 32 rows": (7, 288, 32, 20)}
 STEP_POOL = 512  # rank-16 adapters in the pool the steps' adapters are drawn from
+# --prefill-steps: the pools' rank widths (max_lora_rank): the adapters' own, and the engine's default
+STEP_RANK_WIDTHS = (16, 64)
 # --prefill-steps: the in-place expand also timed in these shapes, (name, changes to the engine's shape for T)
 STEP_EXPAND_VARIANTS = (("pipelined column tiles, 2 stages", dict(col_stages=2)),
                         ("pipelined column tiles, 3 stages", dict(col_stages=3)))
@@ -531,63 +535,68 @@ STEP_EXPAND_VARIANTS = (("pipelined column tiles, 2 stages", dict(col_stages=2))
 
 def step_adapters(mix, rng):
     """[T] adapter ids of a step of STEP_MIXES[mix], prompts' tokens first, each prompt its own adapter, the decode
-    rows spread over their own adapters (every one of them used)."""
+    rows spread over their own adapters (every one of them used), or over the prompts' ones."""
     prompts, length, rows, others = STEP_MIXES[mix]
     ids = rng.permutation(STEP_POOL)
     tokens = [np.repeat(ids[:prompts], length)]
-    if rows:
+    if rows and others:
         decode = ids[prompts:prompts + others][rng.integers(0, others, rows)]
         decode[:others] = ids[prompts:prompts + others]
         tokens.append(decode)
+    elif rows:
+        tokens.append(ids[:prompts][rng.integers(0, prompts, rows)])
     return np.concatenate(tokens)
 
 
 def prefill_steps(reps, ops=3):
-    """Per layer and STEP_MIXES step, us in a CUDA graph (ops launches, each step's own adapters and tensors): the
-    shrink, the in-place expand (q/k/v, o, down; also in each STEP_EXPAND_VARIANTS shape), and for gate/up
-    silu_and_mul expanding the product from its factors against the plain silu_and_mul, each in the engine's
-    shape for the step's T."""
+    """Per layer, pool rank width (STEP_RANK_WIDTHS) and STEP_MIXES step, us in a CUDA graph (ops launches, each
+    step's own adapters and tensors): the shrink, the in-place expand (q/k/v, o, down; also in each
+    STEP_EXPAND_VARIANTS shape), and for gate/up silu_and_mul expanding the product from its factors against the
+    plain silu_and_mul, each in the engine's shape for the step's T."""
     rows = []
     gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
-    print(f"\nsteps that prefill, rank 16, adapters drawn from {STEP_POOL}: us per launch")
+    print(f"\nsteps that prefill, rank-16 adapters drawn from {STEP_POOL}: us per launch")
     for name in LAYERS:
-        layer = PoolLayer(name, STEP_POOL, GRID_RANK, [GRID_RANK], gen)
-        sr = layer.num_slices * GRID_RANK
-        for mix in STEP_MIXES:
-            steps = [step_adapters(mix, rng) for _ in range(ops)]
-            t = len(steps[0])
-            builders = [LoRAMetaBuilder(t, 256, layer.table) for _ in range(ops)]
-            metas = [b.build(ids) for b, ids in zip(builders, steps)]
-            xs = [torch.randn(t, layer.hidden, device=DEV, dtype=DTYPE) for _ in range(ops)]
-            ys = [torch.randn(t, layer.n_out, device=DEV, dtype=DTYPE) for _ in range(ops)]
-            inters = [torch.randn(t, sr, device=DEV) for _ in range(ops)]
-            row = dict(layer=name, step=mix, T=t, adapters=len(set(steps[0].tolist())))
-            row["shrink_us"] = graph_us([lambda i=i: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices,
-                                                                 inters[i]) for i in range(ops)], reps)
-            if name == "gate_up":
-                factors = [LoRAFactors(inters[i], layer.b, layer.rank, metas[i], layer.offsets) for i in range(ops)]
-                row["silu_and_mul_us"] = graph_us([lambda i=i: silu_and_mul(ys[i]) for i in range(ops)], reps)
-                row["silu_and_mul_lora_us"] = graph_us([lambda i=i: silu_and_mul(ys[i], factors[i])
-                                                        for i in range(ops)], reps)
-                more = (f"silu_and_mul {row['silu_and_mul_lora_us']:7.1f} "
-                        f"({row['silu_and_mul_lora_us'] / row['silu_and_mul_us']:.2f}x the plain one)")
-            else:
-                row["expand_us"] = graph_us([lambda i=i: lora_expand(inters[i], layer.b, layer.rank, metas[i],
-                                                                     layer.offsets, ys[i])
-                                             for i in range(ops)], reps)
-                more = f"expand {row['expand_us']:7.1f}"
-                for label, change in STEP_EXPAND_VARIANTS:
-                    cfg = dataclasses.replace(expand_config(t), **change)
-                    row[f"expand_us ({label})"] = graph_us([lambda i=i, cfg=cfg: lora_expand(
-                        inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], cfg) for i in range(ops)], reps)
-                    more += f", {label} {row[f'expand_us ({label})']:7.1f}"
-            rows.append(row)
-            print(f"{name:8s} {mix:20s} T={t:5d} {row['adapters']:4d} adapters  shrink {row['shrink_us']:7.1f}  "
-                  + more)
-            del metas, builders, xs, ys, inters
-        del layer
-        torch.cuda.empty_cache()
+        for width in STEP_RANK_WIDTHS:
+            layer = PoolLayer(name, STEP_POOL, width, [GRID_RANK], gen)
+            for mix in STEP_MIXES:
+                rows.append(prefill_step_row(layer, width, mix, rng, reps, ops))
+            del layer
+            torch.cuda.empty_cache()
     return rows
+
+
+def prefill_step_row(layer, width, mix, rng, reps, ops):
+    """prefill_steps' timings of one layer's pool at one step."""
+    steps = [step_adapters(mix, rng) for _ in range(ops)]
+    t = len(steps[0])
+    builders = [LoRAMetaBuilder(t, 256, layer.table) for _ in range(ops)]
+    metas = [b.build(ids) for b, ids in zip(builders, steps)]
+    xs = [torch.randn(t, layer.hidden, device=DEV, dtype=DTYPE) for _ in range(ops)]
+    ys = [torch.randn(t, layer.n_out, device=DEV, dtype=DTYPE) for _ in range(ops)]
+    inters = [torch.randn(t, layer.num_slices * width, device=DEV) for _ in range(ops)]
+    row = dict(layer=layer.name, rank_width=width, step=mix, T=t, adapters=len(set(steps[0].tolist())))
+    row["shrink_us"] = graph_us([lambda i=i: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices,
+                                                         inters[i]) for i in range(ops)], reps)
+    if layer.name == "gate_up":
+        factors = [LoRAFactors(inters[i], layer.b, layer.rank, metas[i], layer.offsets) for i in range(ops)]
+        row["silu_and_mul_us"] = graph_us([lambda i=i: silu_and_mul(ys[i]) for i in range(ops)], reps)
+        row["silu_and_mul_lora_us"] = graph_us([lambda i=i: silu_and_mul(ys[i], factors[i]) for i in range(ops)],
+                                               reps)
+        more = (f"silu_and_mul {row['silu_and_mul_lora_us']:7.1f} "
+                f"({row['silu_and_mul_lora_us'] / row['silu_and_mul_us']:.2f}x the plain one)")
+    else:
+        row["expand_us"] = graph_us([lambda i=i: lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets,
+                                                             ys[i]) for i in range(ops)], reps)
+        more = f"expand {row['expand_us']:7.1f}"
+        for label, change in STEP_EXPAND_VARIANTS:
+            cfg = dataclasses.replace(expand_config(t), **change)
+            row[f"expand_us ({label})"] = graph_us([lambda i=i: lora_expand(
+                inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], cfg) for i in range(ops)], reps)
+            more += f", {label} {row[f'expand_us ({label})']:7.1f}"
+    print(f"{layer.name:8s} width {width:3d} {mix:20s} T={t:5d} {row['adapters']:4d} adapters  "
+          f"shrink {row['shrink_us']:7.1f}  " + more)
+    return row
 
 
 def main():

@@ -28,7 +28,7 @@ from triton.language.extra import libdevice
 
 from loraserve.kernels.fused_reference import QKNorm
 from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_launch
-from loraserve.kernels.lora_expand import LoRAFactors
+from loraserve.kernels.lora_expand import MAX_PIPELINED_RANK, LoRAFactors
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_shrink import dot_precision, slot_of_tile, slot_work, token_programs
 from loraserve.kernels.tl_math import tanh
@@ -250,14 +250,14 @@ def _silu_and_mul_lora_kernel(
     f_ptr, stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
     rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, stride_pa, num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, COL_TILES: tl.constexpr,
-    COL_STAGES: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-    PDL: tl.constexpr, GELU_TANH: tl.constexpr,
+    COL_STAGES: tl.constexpr, HOISTED: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
+    LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, GELU_TANH: tl.constexpr,
 ):
     """Program (column-tile group, token-tile programs): as _silu_and_mul_kernel on tiles of one adapter's
     tokens (the step's tile map, as lora_expand walks it, base tokens included), gate and up first given
-    their LoRA products, expanded here from the factors and rounded before they are added. A tile's factors
-    (all BLOCK_R >= rank of them) and pages are loaded once for its COL_TILES column tiles, whose loads are
-    pipelined COL_STAGES deep."""
+    their LoRA products, expanded here from the factors and rounded before they are added. HOISTED: a tile's
+    factors (all BLOCK_R >= rank of them) and pages are loaded once for its COL_TILES column tiles, whose loads
+    are pipelined COL_STAGES deep; else each column tile takes the ranks in steps of BLOCK_R."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     tile = tl.program_id(1)
@@ -269,27 +269,46 @@ def _silu_and_mul_lora_kernel(
         tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
         tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
         tok = tok.to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        r_ok = offs_r < rank
-        page_row = page_ptr + adapter.to(tl.int64) * stride_pa
-        page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
-        b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
-        z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
-        z_mask = tok_ok[:, None] & r_ok[None, :]
-        z_gate = tl.load(z_rows, mask=z_mask, other=0.0)  # [BLOCK_M, BLOCK_R] float32
-        z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
+        page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
+        if HOISTED:  # every rank in one step (BLOCK_R >= the rank width): pages and factors once for the tile
+            offs_r = tl.arange(0, BLOCK_R)
+            r_ok = offs_r < rank
+            page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
+            b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+            z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
+            z_mask = tok_ok[:, None] & r_ok[None, :]
+            z_gate = tl.load(z_rows, mask=z_mask, other=0.0)  # [BLOCK_M, BLOCK_R] float32
+            z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
         for j in tl.range(COL_TILES, num_stages=COL_STAGES):
             cols = (tl.program_id(0) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
             mask = tok_ok[:, None] & (cols < inter)[None, :]
             src = in_ptr + tok[:, None] * stride_in + cols[None, :]
             gate = tl.load(src, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
             up = tl.load(src + inter, mask=mask, other=0.0)
-            b_mask = r_ok[:, None] & (cols < inter)[None, :]
-            b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)  # [BLOCK_R, BLOCK_N]
-            b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
             # the decode expand's numbers (lora_expand): float32 factors, B widened, its dot precision
-            d_gate = tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-            d_up = tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
+            if HOISTED:
+                b_mask = r_ok[:, None] & (cols < inter)[None, :]
+                b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)  # [BLOCK_R, BLOCK_N]
+                b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
+                d_gate = tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+                d_up = tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
+            else:  # rank steps of BLOCK_R, pages and factors loaded for each column tile
+                d_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                d_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for r0 in range(0, rank, BLOCK_R):
+                    offs_r = r0 + tl.arange(0, BLOCK_R)
+                    r_ok = offs_r < rank
+                    page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
+                    b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+                    b_mask = r_ok[:, None] & (cols < inter)[None, :]
+                    b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)
+                    b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
+                    z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
+                    z_mask = tok_ok[:, None] & r_ok[None, :]
+                    z_gate = tl.load(z_rows, mask=z_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
+                    z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
+                    d_gate += tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)
+                    d_up += tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
             dtype = gate.dtype
             gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
             up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
@@ -306,15 +325,16 @@ _silu_and_mul_lora_launch = CachedLauncher(_silu_and_mul_lora_kernel)
 @dataclass(frozen=True)
 class SiluLoRAConfig:
     """The shape of silu_and_mul with LoRA factors. Measured on an H200 at T = 8064-8251, I = 14336, 8-108
-    adapters of rank 16 (8 prompts of 1024 tokens; 28 of 288; 28 of 288 and 187 decode rows of 80 more
-    adapters): a tile's factors and pages loaded once for its 8 column tiles of 64 and their loads pipelined
-    3 deep, 1.42-1.76x the plain kernel's time, where loading them per column tile of 4, unpipelined, took
-    1.99-2.50x; wider or taller tiles were slower."""
+    adapters of rank 16 in a pool of rank width 16 (8 prompts of 1024 tokens; 28 of 288; 28 of 288 and 187
+    decode rows of 80 more adapters): a tile's factors and pages loaded once for its 8 column tiles of 64 and
+    their loads pipelined 3 deep, 1.42-1.76x the plain kernel's time, where loading them per column tile of 4,
+    unpipelined, took 1.99-2.50x; wider or taller tiles were slower. Factors wider than MAX_PIPELINED_RANK
+    take rank steps of 16 in each column tile, unpipelined."""
 
     block_m: int = 16  # tokens per tile (one of lora_meta.TILE_BLOCKS)
     block_n: int = 64  # output columns per tile
     col_tiles: int = 8  # column tiles each program walks for one token tile
-    col_stages: int = 3  # the column tiles' loads in flight
+    col_stages: int = 3  # the column tiles' loads in flight (factors of rank widths up to MAX_PIPELINED_RANK)
     num_warps: int = 4
     tile_programs: bool = True  # one token program per tile a step can have (lora_shrink.token_programs)
 
@@ -332,6 +352,7 @@ def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torc
     meta = f.meta
     tile_map = meta.tile_map(cfg.block_m)
     programs = token_programs(num_tokens, cfg.block_m, meta.num_loras, cfg.tile_programs)
+    hoisted = f.rank_width <= MAX_PIPELINED_RANK  # wider factors would not fit a pipeline stage's registers
     grid = (cdiv(cdiv(inter, cfg.block_n), cfg.col_tiles), programs + 1)
     _silu_and_mul_lora_launch(grid,
         gate_up, out, gate_up.stride(0), out.stride(0), num_tokens, inter,
@@ -339,8 +360,9 @@ def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torc
         f.lora_b, f.lora_b.stride(0), f.lora_b.stride(1), f.lora_b.stride(2),
         f.lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter, tile_map,
         meta.page_table, meta.page_table.stride(0), tile_map.shape[0],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_power_of_2(f.rank_width)),
-        COL_TILES=cfg.col_tiles, COL_STAGES=cfg.col_stages, PRECISION=dot_precision(f.lora_b.dtype), PAGE=PAGE_RANK,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_power_of_2(f.rank_width)) if hoisted else 16,
+        COL_TILES=cfg.col_tiles, COL_STAGES=cfg.col_stages if hoisted else 1, HOISTED=hoisted,
+        PRECISION=dot_precision(f.lora_b.dtype), PAGE=PAGE_RANK,
         LIBDEVICE_EXP=gate_up.is_cuda, num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
         GELU_TANH=gelu_tanh,
         **pdl_launch(gate_up))

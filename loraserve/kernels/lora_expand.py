@@ -49,6 +49,10 @@ from loraserve.kernels.lora_shrink import check_meta, check_pages, dot_precision
 EXPAND_SMALL_TILE_TOKENS = 256
 # The most slices (q/k/v: 3) a packed layer may have for the expand with pipelined column tiles (col_stages > 1).
 MAX_PIPELINED_SLICES = 3
+# The widest factors (max_lora_rank rounded up to pages) the kernels load once per work item and pipeline over
+# its column tiles (col_stages; silu_and_mul's factors): one dot over all of them. Wider ones take rank steps
+# of block_r within each column tile (their B tiles, times the stages, would not fit registers and shared memory).
+MAX_PIPELINED_RANK = 64
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,8 @@ class ExpandConfig:
     hoist_pages: bool = False
     # > 1: a work item loads its pages and its tokens' factors (every rank, of each slice) once and pipelines its
     # column tiles' loads this deep (one dot per slice of a tile, over BLOCK_R >= the rank width; packed layers of
-    # at most MAX_PIPELINED_SLICES slices); 1: rank steps of block_r within each column tile in turn
+    # at most MAX_PIPELINED_SLICES slices, rank widths up to MAX_PIPELINED_RANK); 1, or wider factors: rank steps
+    # of block_r within each column tile in turn (hoist_pages applies to these only)
     col_stages: int = 1
 
 
@@ -371,8 +376,10 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
-    block_r = cfg.block_r
-    if cfg.col_stages > 1:  # every rank in one step
+    block_r, col_stages = cfg.block_r, cfg.col_stages
+    if rank_max > MAX_PIPELINED_RANK:
+        col_stages = 1
+    if col_stages > 1:  # every rank in one step
         if num_slices > MAX_PIPELINED_SLICES:
             raise ValueError(f"an expand with pipelined column tiles takes at most {MAX_PIPELINED_SLICES} slices, "
                              f"got {num_slices}")
@@ -389,7 +396,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         SLICE_OFFSETS=offsets, NUM_SLICES=num_slices,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic,
-        HOIST_PAGES=cfg.hoist_pages, COL_STAGES=cfg.col_stages,
+        HOIST_PAGES=cfg.hoist_pages, COL_STAGES=col_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
 

@@ -46,7 +46,8 @@ from loraserve.kernels.lora_meta import COUNTER_ROW_TILES, PAGE_RANK, LoRAMeta
 
 # Programs on the token-tile axis beyond one per BLOCK_M tokens: up to this many adapters' partial tiles run
 # side by side at the full split; with more adapters in a step, K is split less (or programs take several
-# work items each), so the grid does not grow with max_loras (token_programs).
+# work items each), so the grid does not grow with max_loras (token_programs; the long-prefill shapes have a
+# program for every tile instead).
 LOOSE_TILES = 8
 # Token counts up to this use the decode-shaped (split-K) shrink. Measured on an
 # H200 with 8 adapters: at T = 128..256 the prefill shape leaves too few programs.
@@ -83,10 +84,11 @@ def shrink_config(num_tokens: int, hidden: int, sr: int) -> ShrinkConfig:
     block_n = max(min_block_n, min(64, next_power_of_2(sr)))
     if num_tokens >= PREFILL_UNSPLIT_TOKENS:
         # Unsplit K, a program per tile the step can have (measured on an H200, Llama-3-8B's four LoRA layers
-        # at T = 2016-8251 with 2-28 prompts and up to 187 decode rows of 80 more adapters: 0.63-1.06x the
-        # former 64-token tiles on 8 warps split 1-2 ways on a fixed grid, 0.85x in all; there, once a step's
-        # tiles outnumbered the programs, each program ran a second tile after the first: 28 prompts of 288
-        # tokens took 1.6x the time of 8 of 1024). 32-token tiles below 4096 tokens keep enough of them.
+        # in the steps of lora_kernels.py --prefill-steps, T = 2016-8251, 2-28 prompts, up to 187 decode rows:
+        # 0.63-1.06x the former 64-token tiles on 8 warps split 1, 2 or 4 ways on a fixed grid, 0.85x in all;
+        # there, once a step's tiles outnumbered the programs, each program ran a second tile after the first:
+        # 28 prompts of 288 tokens took 1.6x the time of 8 of 1024). 32-token tiles below 4096 tokens keep
+        # enough of them.
         block_m = 64 if num_tokens >= 2 * PREFILL_UNSPLIT_TOKENS else 32
         return ShrinkConfig(block_m, block_n, 128, 1, num_warps=4, num_stages=4, tile_programs=True)
     # Shorter prefill: K in steps of 128, split 4 ways (measured on an H100, Llama-3-8B's four LoRA layers).
@@ -262,8 +264,8 @@ def token_programs(num_tokens: int, block_m: int, num_loras: int, every_tile: bo
     at once; with more adapters (more, smaller tiles) the kernels spread the tiles over the same programs
     (the shrink splits K less, the expand gives each program more columns; beyond that programs take
     several in turn), so the grid does not grow with max_loras in the decode shapes. every_tile: one
-    program per tile a step of T tokens over L slots can have (the tile map's length, at most
-    2 cdiv(T, BLOCK_M) for prefill-sized tiles); those past the step's tiles end after one load."""
+    program per tile a step of T tokens over L slots can have, cdiv(T, BLOCK_M) + min(L, T) (the tile map's
+    length less one; it grows with max_loras); those past the step's tiles end after one load."""
     loose = min(num_loras, num_tokens) if every_tile else min(num_loras, num_tokens, LOOSE_TILES)
     return cdiv(num_tokens, block_m) + loose
 
@@ -328,6 +330,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, lora_rank: torch.Tensor,
                              f"got {list(partials.shape)} {partials.dtype}")
         partial = partials
     tile_map = meta.tile_map(cfg.block_m)
+    if grid[1] > tile_map.shape[0]:  # each token program loads its first map entry unmasked
+        raise ValueError(f"{grid[1]} token programs for a tile map of {tile_map.shape[0]} entries")
     launch = functools.partial(_shrink_launch.call_and_bind, variable=_SHRINK_VARIABLE) if bind else _shrink_launch
     return launch(grid,
         x, lora_a, lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter,

@@ -212,6 +212,7 @@ CASES = [
     (100, (100, 36), 12, 4, 40, "distinct", 0.1, SPLIT_SHRINK, PIPELINED_EXPAND),
     (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
     (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
+    (64, (40, 16, 16), 72, 3, 20, "uniform", 0.1, None, PIPELINED_EXPAND),  # wider than MAX_PIPELINED_RANK
     # a program per tile the step can have: more adapters' tiles than the fixed grid's programs
     (64, (48, 16), 16, 24, 40, "distinct", 0.1, TILE_PROGRAMS_SHRINK, None),
 ]
@@ -282,6 +283,7 @@ def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens
     (130, 24, 4, 33, "distinct", 0.1),  # every row its own adapter; ranks past one BLOCK_R step
     (16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
     (300, 16, 12, 60, "distinct", 0.1),  # more adapters' tiles than cdiv(T, 16) + LOOSE_TILES; 5 column tiles
+    (48, 72, 3, 30, "skewed", 0.2),  # factors wider than MAX_PIPELINED_RANK: rank steps in each column tile
 ])
 def test_silu_and_mul_expands_lora_factors(inter_size, rank_max, num_loras, num_tokens, kind, base):
     check_silu_and_mul_factors(11, inter_size, rank_max, num_loras, num_tokens, kind, base)

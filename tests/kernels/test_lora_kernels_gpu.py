@@ -85,6 +85,7 @@ def test_kernels_match_reference_gpu(index, dtype):
     (14336, 16, 8, 4096, "skewed", 0.05),  # a Llama-3-8B prefill step
     (1000, 64, 64, 700, "distinct", 0.1),  # 64 adapters, ranks up to 64, sizes off the tiles
     (14336, 16, 4, 300, "uniform", 0.3),
+    (2000, 128, 8, 300, "skewed", 0.1),  # factors wider than MAX_PIPELINED_RANK
 ])
 def test_silu_and_mul_expands_lora_factors_gpu(inter_size, rank_max, num_loras, num_tokens, kind, base, dtype):
     tol = TOL[dtype][1]
@@ -98,6 +99,7 @@ def test_silu_and_mul_expands_lora_factors_gpu(inter_size, rank_max, num_loras, 
     (4096, (4096, 1024, 1024), 16, 200, 256, "distinct"),  # a decode step of many adapters (dynamic items)
     (4096, (4096,), 64, 40, 100, "uniform"),  # ranks up to 64 in one dot
     (4100, (1000, 300, 300), 12, 5, 2050, "skewed"),  # a prefill shape, tiles straddling slices
+    (4096, (4096, 1024, 1024), 128, 8, 300, "uniform"),  # wider than MAX_PIPELINED_RANK: rank steps instead
 ])
 def test_pipelined_expand_matches_reference_gpu(hidden, sizes, rank_max, num_loras, num_tokens, kind, overwrite,
                                                 dtype):
