@@ -1,0 +1,55 @@
+"""benchmarks/lora_kernels.py --prefill-steps on the CPU (Triton's interpreter, small layers, a stand-in for the
+CUDA-graph timer): every layer, pool width and step gets its row, each timed launch runs, and the steps hold the
+prompts and decode rows STEP_MIXES names."""
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import lora_kernels  # noqa: E402 (the benchmark under test)
+
+
+def test_prefill_steps_time_every_layer_width_and_step(monkeypatch):
+    mixes = {"3 x 40": (3, 40, 0, 0), "3 x 40 + 7 rows": (3, 40, 7, 4), "2 x 30 + 5 rows": (2, 30, 5, 0)}
+    monkeypatch.setattr(lora_kernels, "DEV", "cpu")
+    monkeypatch.setattr(lora_kernels, "DTYPE", torch.float32)
+    monkeypatch.setattr(lora_kernels, "LAYERS", {"qkv": (64, (64, 16, 16)), "gate_up": (64, (96, 96)),
+                                                 "down": (96, (64,))})
+    monkeypatch.setattr(lora_kernels, "STEP_MIXES", mixes)
+    monkeypatch.setattr(lora_kernels, "STEP_POOL", 16)
+    launches = []
+
+    def run_once(ops, reps=20):  # the graph timer's stand-in: each op once, a fixed time
+        for op in ops:
+            launches.append(op())
+        return 2.0
+
+    monkeypatch.setattr(lora_kernels, "graph_us", run_once)
+    rows = lora_kernels.prefill_steps(reps=1, ops=2)
+    widths = lora_kernels.STEP_RANK_WIDTHS
+    assert [(r["layer"], r["rank_width"], r["step"]) for r in rows] == [
+        (layer, width, mix) for layer in ("qkv", "gate_up", "down") for width in widths for mix in mixes]
+    for row in rows:
+        prompts, length, decode, others = mixes[row["step"]]
+        assert row["T"] == prompts * length + decode
+        assert row["adapters"] == prompts + others
+        variants = {f"expand_us ({label})" for label, _ in lora_kernels.STEP_EXPAND_VARIANTS}
+        timed = ({"shrink_us", "silu_and_mul_us", "silu_and_mul_lora_us"} if row["layer"] == "gate_up" else
+                 {"shrink_us", "expand_us"} | variants)
+        assert {k for k in row if k.endswith("us") or k.endswith(")")} == timed
+    per_row = {"qkv": 2 + len(lora_kernels.STEP_EXPAND_VARIANTS), "gate_up": 3,
+               "down": 2 + len(lora_kernels.STEP_EXPAND_VARIANTS)}
+    assert len(launches) == 2 * sum(per_row[r["layer"]] for r in rows)
+
+
+def test_step_adapters_give_each_prompt_its_adapter():
+    rng = np.random.default_rng(0)
+    for mix, (prompts, length, decode, others) in lora_kernels.STEP_MIXES.items():
+        ids = lora_kernels.step_adapters(mix, rng)
+        prompt_ids = ids[:prompts * length].reshape(prompts, length)
+        assert (prompt_ids == prompt_ids[:, :1]).all() and len(set(prompt_ids[:, 0].tolist())) == prompts, mix
+        rows = set(ids[prompts * length:].tolist())
+        assert len(rows) == others if others else rows <= set(prompt_ids[:, 0].tolist()), mix
