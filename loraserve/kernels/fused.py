@@ -28,7 +28,7 @@ from triton.language.extra import libdevice
 
 from loraserve.kernels.fused_reference import QKNorm
 from loraserve.kernels.launch import CachedLauncher, cdiv, next_power_of_2, pdl_launch
-from loraserve.kernels.lora_expand import MAX_PIPELINED_RANK, LoRAFactors
+from loraserve.kernels.lora_expand import LoRAFactors, pipelined_shape
 from loraserve.kernels.lora_meta import PAGE_RANK
 from loraserve.kernels.lora_shrink import dot_precision, slot_of_tile, slot_work, token_programs
 from loraserve.kernels.tl_math import tanh
@@ -244,20 +244,49 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors |
     return silu_and_mul(gate_up, delta, activation="gelu_tanh", columns=columns)
 
 
+@triton.jit
+def _factor_rows(offs_r, rank, page_row, tok, tok_ok, f_ptr, stride_ft, stride_fr, rank_width, b_ptr, stride_bp,
+                 stride_br, PAGE: tl.constexpr):
+    """For rank rows offs_r of a tile's adapter: which lie within its rank, the rows of B they are (from their
+    pages), and the tile's gate and up factors of them ([BLOCK_M, len(offs_r)] float32)."""
+    r_ok = offs_r < rank
+    page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [R]
+    b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
+    z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
+    z_mask = tok_ok[:, None] & r_ok[None, :]
+    z_gate = tl.load(z_rows, mask=z_mask, other=0.0)
+    z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
+    return r_ok, b_rows, z_gate, z_up
+
+
+@triton.jit
+def _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION: tl.constexpr):
+    """The gate and up products [BLOCK_M, BLOCK_N] float32 at cols of those rank rows. The decode expand's numbers
+    (lora_expand): float32 factors, B widened, its dot precision (factors rounded to bf16 for a bf16 dot took
+    about 0.88x the time on an H200, but then the decode graphs and eager steps of
+    tests/worker/test_lora_graphs_gpu.py gave logits 1.2 % of their scale apart, not 1 %)."""
+    b_mask = r_ok[:, None] & (cols < inter)[None, :]
+    b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)  # [R, BLOCK_N]
+    b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
+    d_gate = tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)
+    d_up = tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
+    return d_gate, d_up
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _silu_and_mul_lora_kernel(
     in_ptr, out_ptr, stride_in, stride_out, num_tokens, inter,
     f_ptr, stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
     rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, map_ptr, page_ptr, stride_pa, num_tiles,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, COL_TILES: tl.constexpr,
-    COL_STAGES: tl.constexpr, HOISTED: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
-    LIBDEVICE_EXP: tl.constexpr, PDL: tl.constexpr, GELU_TANH: tl.constexpr,
+    COL_STAGES: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+    PDL: tl.constexpr, GELU_TANH: tl.constexpr,
 ):
     """Program (column-tile group, token-tile programs): as _silu_and_mul_kernel on tiles of one adapter's
     tokens (the step's tile map, as lora_expand walks it, base tokens included), gate and up first given
-    their LoRA products, expanded here from the factors and rounded before they are added. HOISTED: a tile's
-    factors (all BLOCK_R >= rank of them) and pages are loaded once for its COL_TILES column tiles, whose loads
-    are pipelined COL_STAGES deep; else each column tile takes the ranks in steps of BLOCK_R."""
+    their LoRA products, expanded here from the factors and rounded before they are added. COL_STAGES > 1: a
+    tile's factors (all BLOCK_R >= rank of them) and pages are loaded once for its COL_TILES column tiles,
+    whose loads are pipelined COL_STAGES deep; else each column tile takes the ranks in steps of BLOCK_R."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     tile = tl.program_id(1)
@@ -270,47 +299,28 @@ def _silu_and_mul_lora_kernel(
         tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
         tok = tok.to(tl.int64)
         page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
-        if HOISTED:  # every rank in one step (BLOCK_R >= the rank width): pages and factors once for the tile
-            offs_r = tl.arange(0, BLOCK_R)
-            r_ok = offs_r < rank
-            page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
-            b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
-            z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
-            z_mask = tok_ok[:, None] & r_ok[None, :]
-            z_gate = tl.load(z_rows, mask=z_mask, other=0.0)  # [BLOCK_M, BLOCK_R] float32
-            z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
+        if COL_STAGES > 1:  # every rank in one step: pages and factors once for the tile
+            r_ok, b_rows, z_gate, z_up = _factor_rows(tl.arange(0, BLOCK_R), rank, page_row, tok, tok_ok, f_ptr,
+                                                      stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br,
+                                                      PAGE)
         for j in tl.range(COL_TILES, num_stages=COL_STAGES):
             cols = (tl.program_id(0) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
             mask = tok_ok[:, None] & (cols < inter)[None, :]
             src = in_ptr + tok[:, None] * stride_in + cols[None, :]
             gate = tl.load(src, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
             up = tl.load(src + inter, mask=mask, other=0.0)
-            # the decode expand's numbers (lora_expand): float32 factors, B widened, its dot precision (factors
-            # rounded to bf16 for a bf16 dot took about 0.88x the time on an H200, but then the decode graphs and
-            # eager steps of tests/worker/test_lora_graphs_gpu.py gave logits 1.2 % of their scale apart, not 1 %)
-            if HOISTED:
-                b_mask = r_ok[:, None] & (cols < inter)[None, :]
-                b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)  # [BLOCK_R, BLOCK_N]
-                b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
-                d_gate = tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
-                d_up = tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
+            if COL_STAGES > 1:
+                d_gate, d_up = _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION)
             else:  # rank steps of BLOCK_R, pages and factors loaded for each column tile
                 d_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 d_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for r0 in range(0, rank, BLOCK_R):
-                    offs_r = r0 + tl.arange(0, BLOCK_R)
-                    r_ok = offs_r < rank
-                    page = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # page: [BLOCK_R]
-                    b_rows = b_ptr + page.to(tl.int64)[:, None] * stride_bp + (offs_r % PAGE)[:, None] * stride_br
-                    b_mask = r_ok[:, None] & (cols < inter)[None, :]
-                    b_gate = tl.load(b_rows + cols[None, :] * stride_bn, mask=b_mask, other=0.0)
-                    b_up = tl.load(b_rows + (cols + inter)[None, :] * stride_bn, mask=b_mask, other=0.0)
-                    z_rows = f_ptr + tok[:, None] * stride_ft + offs_r[None, :] * stride_fr
-                    z_mask = tok_ok[:, None] & r_ok[None, :]
-                    z_gate = tl.load(z_rows, mask=z_mask, other=0.0)  # [BLOCK_M, BLOCK_R]
-                    z_up = tl.load(z_rows + rank_width * stride_fr, mask=z_mask, other=0.0)
-                    d_gate += tl.dot(z_gate, b_gate.to(tl.float32), input_precision=PRECISION)
-                    d_up += tl.dot(z_up, b_up.to(tl.float32), input_precision=PRECISION)
+                    r_ok, b_rows, z_gate, z_up = _factor_rows(r0 + tl.arange(0, BLOCK_R), rank, page_row, tok,
+                                                              tok_ok, f_ptr, stride_ft, stride_fr, rank_width, b_ptr,
+                                                              stride_bp, stride_br, PAGE)
+                    p_gate, p_up = _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION)
+                    d_gate += p_gate
+                    d_up += p_up
             dtype = gate.dtype
             gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
             up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
@@ -330,13 +340,13 @@ class SiluLoRAConfig:
     adapters of rank 16 in a pool of rank width 16 (8 prompts of 1024 tokens; 28 of 288; 28 of 288 and 187
     decode rows of 80 more adapters): a tile's factors and pages loaded once for its 8 column tiles of 64 and
     their loads pipelined 3 deep, 1.42-1.76x the plain kernel's time, where loading them per column tile of 4,
-    unpipelined, took 1.99-2.50x; wider or taller tiles were slower. Factors wider than MAX_PIPELINED_RANK
-    take rank steps of 16 in each column tile, unpipelined."""
+    unpipelined, took 1.99-2.50x; wider or taller tiles were slower. Factors wider than
+    lora_expand.MAX_PIPELINED_RANK take rank steps of 16 in each column tile, unpipelined."""
 
     block_m: int = 16  # tokens per tile (one of lora_meta.TILE_BLOCKS)
     block_n: int = 64  # output columns per tile
     col_tiles: int = 8  # column tiles each program walks for one token tile
-    col_stages: int = 3  # the column tiles' loads in flight (factors of rank widths up to MAX_PIPELINED_RANK)
+    col_stages: int = 3  # the column tiles' loads in flight (lora_expand.pipelined_shape: widths up to 64)
     num_warps: int = 4
     tile_programs: bool = True  # one token program per tile a step can have (lora_shrink.token_programs)
 
@@ -354,7 +364,7 @@ def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torc
     meta = f.meta
     tile_map = meta.tile_map(cfg.block_m)
     programs = token_programs(num_tokens, cfg.block_m, meta.num_loras, cfg.tile_programs)
-    hoisted = f.rank_width <= MAX_PIPELINED_RANK  # wider factors would not fit a pipeline stage's registers
+    col_stages, block_r = pipelined_shape(cfg.col_stages, 16, f.rank_width)
     grid = (cdiv(cdiv(inter, cfg.block_n), cfg.col_tiles), programs + 1)
     _silu_and_mul_lora_launch(grid,
         gate_up, out, gate_up.stride(0), out.stride(0), num_tokens, inter,
@@ -362,8 +372,7 @@ def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torc
         f.lora_b, f.lora_b.stride(0), f.lora_b.stride(1), f.lora_b.stride(2),
         f.lora_rank, meta.sorted_token_ids, meta.slot_start, meta.slot_count, meta.slot_adapter, tile_map,
         meta.page_table, meta.page_table.stride(0), tile_map.shape[0],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_power_of_2(f.rank_width)) if hoisted else 16,
-        COL_TILES=cfg.col_tiles, COL_STAGES=cfg.col_stages if hoisted else 1, HOISTED=hoisted,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, COL_TILES=cfg.col_tiles, COL_STAGES=col_stages,
         PRECISION=dot_precision(f.lora_b.dtype), PAGE=PAGE_RANK,
         LIBDEVICE_EXP=gate_up.is_cuda, num_warps=cfg.num_warps, num_stages=1, enable_fp_fusion=False,
         GELU_TANH=gelu_tanh,

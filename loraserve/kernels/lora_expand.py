@@ -55,6 +55,15 @@ MAX_PIPELINED_SLICES = 3
 MAX_PIPELINED_RANK = 64
 
 
+def pipelined_shape(col_stages: int, block_r: int, rank_width: int) -> tuple[int, int]:
+    """(column-tile stages, BLOCK_R) of a kernel asked for col_stages pipelined column tiles over factors
+    rank_width wide (max_lora_rank rounded up to pages): every rank in one step while the width is at most
+    MAX_PIPELINED_RANK; otherwise (or col_stages 1) one stage, rank steps of block_r."""
+    if col_stages > 1 and rank_width <= MAX_PIPELINED_RANK:
+        return col_stages, max(block_r, next_power_of_2(rank_width))
+    return 1, block_r
+
+
 @dataclass(frozen=True)
 class ExpandConfig:
     block_m: int  # tokens per tile
@@ -143,6 +152,24 @@ def _add_slice_products(acc, inter_rows, b_ptr, page_row, first_pages, tok_ok, c
 
 
 @triton.jit
+def _old_tile(y_rows, cols, mask, stride_yn, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, OVERWRITE: tl.constexpr):
+    """y's [BLOCK_M, BLOCK_N] tile at cols (zeros with OVERWRITE: y is not read)."""
+    if OVERWRITE:
+        old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_rows.dtype.element_ty)
+    else:
+        old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)
+    return old
+
+
+@triton.jit
+def _store_sum(y_rows, cols, mask, stride_yn, old, acc):
+    """y's tile at cols = old + the product acc, the product rounded to y's dtype first (as a separately stored
+    delta would be)."""
+    product = acc.to(old.dtype).to(tl.float32)
+    tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
+
+
+@triton.jit
 def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, first_pages, rank, rank_max, n_out,
                      stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
                      SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -152,18 +179,14 @@ def _expand_col_tile(col0, inter_rows, y_rows, tok_ok, b_ptr, page_row, first_pa
     cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
     # y is read before the products so that its load overlaps theirs
     mask = tok_ok[:, None] & (cols < n_out)[None, :]
-    if OVERWRITE:
-        old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_rows.dtype.element_ty)
-    else:
-        old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+    old = _old_tile(y_rows, cols, mask, stride_yn, BLOCK_M, BLOCK_N, OVERWRITE)  # [BM, BN]
     if PDL:  # launched early beside the shrink: wait for its intermediate (y was ready before it)
         tl.extra.cuda.gdc_wait()
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = _add_slice_products(acc, inter_rows, b_ptr, page_row, first_pages, tok_ok, cols, col0, rank, rank_max,
                               stride_ir, stride_bp, stride_br, stride_bn, SLICE_OFFSETS, NUM_SLICES,
                               BLOCK_N, BLOCK_R, PRECISION, PAGE, HOIST_PAGES)
-    product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
-    tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
+    _store_sum(y_rows, cols, mask, stride_yn, old, acc)
 
 
 @triton.jit
@@ -192,10 +215,7 @@ def _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, to
         cols = (first_col_tile + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
         col_ok = cols < n_out
         mask = tok_ok[:, None] & col_ok[None, :]
-        if OVERWRITE:
-            old = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_rows.dtype.element_ty)
-        else:
-            old = tl.load(y_rows + cols[None, :] * stride_yn, mask=mask, other=0.0)  # [BM, BN]
+        old = _old_tile(y_rows, cols, mask, stride_yn, BLOCK_M, BLOCK_N, OVERWRITE)  # [BM, BN]
         b = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
         acc = tl.dot(a0, tl.where((cols < SLICE_OFFSETS[1])[None, :], b, 0.0), input_precision=PRECISION)
@@ -204,8 +224,7 @@ def _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, to
             acc += tl.dot(a1, tl.where(in_slice[None, :], b, 0.0), input_precision=PRECISION)
         if NUM_SLICES > 2:
             acc += tl.dot(a2, tl.where((cols >= SLICE_OFFSETS[2])[None, :], b, 0.0), input_precision=PRECISION)
-        product = acc.to(old.dtype).to(tl.float32)  # rounded as a separately stored delta would be
-        tl.store(y_rows + cols[None, :] * stride_yn, (old.to(tl.float32) + product).to(old.dtype), mask=mask)
+        _store_sum(y_rows, cols, mask, stride_yn, old, acc)
 
 
 @triton.jit
@@ -376,14 +395,10 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
     if num_tokens == 0:
         return
     cfg = config or expand_config(num_tokens)
-    block_r, col_stages = cfg.block_r, cfg.col_stages
-    if rank_max > MAX_PIPELINED_RANK:
-        col_stages = 1
-    if col_stages > 1:  # every rank in one step
-        if num_slices > MAX_PIPELINED_SLICES:
-            raise ValueError(f"an expand with pipelined column tiles takes at most {MAX_PIPELINED_SLICES} slices, "
-                             f"got {num_slices}")
-        block_r = max(block_r, next_power_of_2(rank_max))
+    col_stages, block_r = pipelined_shape(cfg.col_stages, cfg.block_r, rank_max)
+    if col_stages > 1 and num_slices > MAX_PIPELINED_SLICES:
+        raise ValueError(f"an expand with pipelined column tiles takes at most {MAX_PIPELINED_SLICES} slices, "
+                         f"got {num_slices}")
     grid = expand_grid(cfg, num_tokens, n_out, num_loras, overwrite)
     tile_map = meta.tile_map(cfg.block_m)
     launch = functools.partial(_expand_launch.call_and_bind, variable=("num_tokens",)) if bind else _expand_launch
