@@ -579,12 +579,19 @@ def prefill_step_row(layer, width, mix, rng, reps, ops):
     row["shrink_us"] = graph_us([lambda i=i: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices,
                                                          inters[i]) for i in range(ops)], reps)
     if layer.name == "gate_up":
-        factors = [LoRAFactors(inters[i], layer.b, layer.rank, metas[i], layer.offsets) for i in range(ops)]
+        # the engine tells the factors its step's largest rank (LoRAFactors.max_rank, where the build has it)
+        bound = {"max_rank": GRID_RANK} if "max_rank" in {f.name for f in dataclasses.fields(LoRAFactors)} else {}
+        factors = [LoRAFactors(inters[i], layer.b, layer.rank, metas[i], layer.offsets, **bound) for i in range(ops)]
         row["silu_and_mul_us"] = graph_us([lambda i=i: silu_and_mul(ys[i]) for i in range(ops)], reps)
         row["silu_and_mul_lora_us"] = graph_us([lambda i=i: silu_and_mul(ys[i], factors[i]) for i in range(ops)],
                                                reps)
         more = (f"silu_and_mul {row['silu_and_mul_lora_us']:7.1f} "
                 f"({row['silu_and_mul_lora_us'] / row['silu_and_mul_us']:.2f}x the plain one)")
+        if bound and width > GRID_RANK:  # the same factors as wide as the pool: a dot per rank class on the device
+            unbound = [dataclasses.replace(f, max_rank=None) for f in factors]
+            row["silu_and_mul_lora_us (pool width)"] = graph_us(
+                [lambda i=i: silu_and_mul(ys[i], unbound[i]) for i in range(ops)], reps)
+            more += f", told only the pool's width {row['silu_and_mul_lora_us (pool width)']:7.1f}"
     else:
         row["expand_us"] = graph_us([lambda i=i: lora_expand(inters[i], layer.b, layer.rank, metas[i], layer.offsets,
                                                              ys[i]) for i in range(ops)], reps)

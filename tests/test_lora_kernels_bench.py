@@ -37,12 +37,15 @@ def test_prefill_steps_time_every_layer_width_and_step(monkeypatch):
         assert row["T"] == prompts * length + decode
         assert row["adapters"] == prompts + others
         variants = {f"expand_us ({label})" for label, _ in lora_kernels.STEP_EXPAND_VARIANTS}
-        timed = ({"shrink_us", "silu_and_mul_us", "silu_and_mul_lora_us"} if row["layer"] == "gate_up" else
-                 {"shrink_us", "expand_us"} | variants)
+        # gate/up: the factors told the step's largest rank, and in a wider pool also told only its width
+        wider = row["rank_width"] > lora_kernels.GRID_RANK
+        silu = {"silu_and_mul_us", "silu_and_mul_lora_us"} | ({"silu_and_mul_lora_us (pool width)"} if wider else set())
+        timed = {"shrink_us"} | silu if row["layer"] == "gate_up" else {"shrink_us", "expand_us"} | variants
         assert {k for k in row if k.endswith("us") or k.endswith(")")} == timed
-    per_row = {"qkv": 2 + len(lora_kernels.STEP_EXPAND_VARIANTS), "gate_up": 3,
-               "down": 2 + len(lora_kernels.STEP_EXPAND_VARIANTS)}
-    assert len(launches) == 2 * sum(per_row[r["layer"]] for r in rows)
+    expands = 2 + len(lora_kernels.STEP_EXPAND_VARIANTS)
+    per_row = {"qkv": lambda r: expands, "down": lambda r: expands,
+               "gate_up": lambda r: 3 + (r["rank_width"] > lora_kernels.GRID_RANK)}
+    assert len(launches) == 2 * sum(per_row[r["layer"]](r) for r in rows)
 
 
 def test_step_adapters_give_each_prompt_its_adapter():

@@ -273,6 +273,45 @@ def _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECIS
     return d_gate, d_up
 
 
+@triton.jit
+def _silu_lora_columns(in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row,
+                       f_ptr, stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, COL_TILES: tl.constexpr,
+                       COL_STAGES: tl.constexpr, PRECISION: tl.constexpr, PAGE: tl.constexpr,
+                       LIBDEVICE_EXP: tl.constexpr, GELU_TANH: tl.constexpr):
+    """One token tile's COL_TILES column tiles of this program. COL_STAGES > 1: the tile's factors (its
+    adapter's rank <= BLOCK_R of them) and pages loaded once, the column tiles' loads pipelined COL_STAGES deep;
+    else each column tile takes the ranks in steps of BLOCK_R."""
+    if COL_STAGES > 1:  # every rank in one step: pages and factors once for the tile
+        r_ok, b_rows, z_gate, z_up = _factor_rows(tl.arange(0, BLOCK_R), rank, page_row, tok, tok_ok, f_ptr,
+                                                  stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br,
+                                                  PAGE)
+    for j in tl.range(COL_TILES, num_stages=COL_STAGES):
+        cols = (tl.program_id(0) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+        mask = tok_ok[:, None] & (cols < inter)[None, :]
+        src = in_ptr + tok[:, None] * stride_in + cols[None, :]
+        gate = tl.load(src, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
+        up = tl.load(src + inter, mask=mask, other=0.0)
+        if COL_STAGES > 1:
+            d_gate, d_up = _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION)
+        else:  # rank steps of BLOCK_R, pages and factors loaded for each column tile
+            d_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            d_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):
+                r_ok, b_rows, z_gate, z_up = _factor_rows(r0 + tl.arange(0, BLOCK_R), rank, page_row, tok,
+                                                          tok_ok, f_ptr, stride_ft, stride_fr, rank_width, b_ptr,
+                                                          stride_bp, stride_br, PAGE)
+                p_gate, p_up = _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION)
+                d_gate += p_gate
+                d_up += p_up
+        dtype = gate.dtype
+        gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
+        up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
+        act = _activation(gate, LIBDEVICE_EXP, GELU_TANH)
+        tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], (act * up.to(tl.float32)).to(dtype),
+                 mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _silu_and_mul_lora_kernel(
     in_ptr, out_ptr, stride_in, stride_out, num_tokens, inter,
@@ -284,9 +323,10 @@ def _silu_and_mul_lora_kernel(
 ):
     """Program (column-tile group, token-tile programs): as _silu_and_mul_kernel on tiles of one adapter's
     tokens (the step's tile map, as lora_expand walks it, base tokens included), gate and up first given
-    their LoRA products, expanded here from the factors and rounded before they are added. COL_STAGES > 1: a
-    tile's factors (all BLOCK_R >= rank of them) and pages are loaded once for its COL_TILES column tiles,
-    whose loads are pipelined COL_STAGES deep; else each column tile takes the ranks in steps of BLOCK_R."""
+    their LoRA products, expanded here from the factors and rounded before they are added
+    (_silu_lora_columns). With pipelined column tiles (COL_STAGES > 1) a tile whose adapter's rank is at most
+    16 or 32 takes a dot of that width, not of all BLOCK_R ranks: factors wider than an adapter's rank (a pool
+    whose max_lora_rank is larger) cost no more than its own."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     tile = tl.program_id(1)
@@ -299,34 +339,26 @@ def _silu_and_mul_lora_kernel(
         tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
         tok = tok.to(tl.int64)
         page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
-        if COL_STAGES > 1:  # every rank in one step: pages and factors once for the tile
-            r_ok, b_rows, z_gate, z_up = _factor_rows(tl.arange(0, BLOCK_R), rank, page_row, tok, tok_ok, f_ptr,
-                                                      stride_ft, stride_fr, rank_width, b_ptr, stride_bp, stride_br,
-                                                      PAGE)
-        for j in tl.range(COL_TILES, num_stages=COL_STAGES):
-            cols = (tl.program_id(0) * COL_TILES + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
-            mask = tok_ok[:, None] & (cols < inter)[None, :]
-            src = in_ptr + tok[:, None] * stride_in + cols[None, :]
-            gate = tl.load(src, mask=mask, other=0.0)  # [BLOCK_M, BLOCK_N]
-            up = tl.load(src + inter, mask=mask, other=0.0)
-            if COL_STAGES > 1:
-                d_gate, d_up = _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION)
-            else:  # rank steps of BLOCK_R, pages and factors loaded for each column tile
-                d_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                d_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r0 in range(0, rank, BLOCK_R):
-                    r_ok, b_rows, z_gate, z_up = _factor_rows(r0 + tl.arange(0, BLOCK_R), rank, page_row, tok,
-                                                              tok_ok, f_ptr, stride_ft, stride_fr, rank_width, b_ptr,
-                                                              stride_bp, stride_br, PAGE)
-                    p_gate, p_up = _gate_up_products(r_ok, b_rows, z_gate, z_up, cols, inter, stride_bn, PRECISION)
-                    d_gate += p_gate
-                    d_up += p_up
-            dtype = gate.dtype
-            gate = (gate.to(tl.float32) + d_gate.to(dtype).to(tl.float32)).to(dtype)
-            up = (up.to(tl.float32) + d_up.to(dtype).to(tl.float32)).to(dtype)
-            act = _activation(gate, LIBDEVICE_EXP, GELU_TANH)
-            tl.store(out_ptr + tok[:, None] * stride_out + cols[None, :], (act * up.to(tl.float32)).to(dtype),
-                     mask=mask)
+        if COL_STAGES == 1 or BLOCK_R <= 16:
+            _silu_lora_columns(
+                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
+                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
+        elif rank <= 16:
+            _silu_lora_columns(
+                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
+                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+                BLOCK_M, BLOCK_N, 16, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
+        elif BLOCK_R <= 32 or rank > 32:
+            _silu_lora_columns(
+                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
+                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
+        else:
+            _silu_lora_columns(
+                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
+                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+                BLOCK_M, BLOCK_N, 32, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
         tile += tl.num_programs(1)
         slot, m_tile = next_slot, next_m_tile
 
@@ -340,8 +372,11 @@ class SiluLoRAConfig:
     adapters of rank 16 in a pool of rank width 16 (8 prompts of 1024 tokens; 28 of 288; 28 of 288 and 187
     decode rows of 80 more adapters): a tile's factors and pages loaded once for its 8 column tiles of 64 and
     their loads pipelined 3 deep, 1.42-1.76x the plain kernel's time, where loading them per column tile of 4,
-    unpipelined, took 1.99-2.50x; wider or taller tiles were slower. Factors wider than
-    lora_expand.MAX_PIPELINED_RANK take rank steps of 16 in each column tile, unpipelined."""
+    unpipelined, took 1.99-2.50x; wider or taller tiles were slower. The dot is as wide as the step's largest
+    rank (LoRAFactors.dot_width): in a pool of rank width 64, the same steps took 239-299 us told that their
+    adapters have rank 16, and 292-371 us told only the pool's width (a dot per tile of 16, 32 or 64 ranks, as
+    its adapter's rank; 488-590 us with every dot 64 wide). Dots wider than lora_expand.MAX_PIPELINED_RANK
+    take rank steps of 16 in each column tile, unpipelined."""
 
     block_m: int = 16  # tokens per tile (one of lora_meta.TILE_BLOCKS)
     block_n: int = 64  # output columns per tile
@@ -364,7 +399,7 @@ def _silu_and_mul_factors(gate_up: torch.Tensor, factors: LoRAFactors, out: torc
     meta = f.meta
     tile_map = meta.tile_map(cfg.block_m)
     programs = token_programs(num_tokens, cfg.block_m, meta.num_loras, cfg.tile_programs)
-    col_stages, block_r = pipelined_shape(cfg.col_stages, 16, f.rank_width)
+    col_stages, block_r = pipelined_shape(cfg.col_stages, 16, f.dot_width)
     grid = (cdiv(cdiv(inter, cfg.block_n), cfg.col_tiles), programs + 1)
     _silu_and_mul_lora_launch(grid,
         gate_up, out, gate_up.stride(0), out.stride(0), num_tokens, inter,

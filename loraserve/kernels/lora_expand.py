@@ -423,7 +423,9 @@ class LoRAFactors:
     through memory.
 
     inter: [T, S*R] float32, the shrink's output (only the ranks of each token's adapter are read);
-    lora_b: [P, PAGE_RANK, N], lora_rank: [A] int32, meta and slice_offsets as lora_expand takes them.
+    lora_b: [P, PAGE_RANK, N], lora_rank: [A] int32, meta and slice_offsets as lora_expand takes them;
+    max_rank: at least the rank of every token's adapter in this layer (known on the host from the step's
+    adapters), the width of the expanding kernel's dot; None: R.
     """
 
     inter: torch.Tensor
@@ -431,7 +433,14 @@ class LoRAFactors:
     lora_rank: torch.Tensor
     meta: LoRAMeta
     slice_offsets: tuple[int, ...]
+    max_rank: int | None = None
 
     @property
     def rank_width(self) -> int:
         return self.inter.shape[1] // (len(self.slice_offsets) - 1)
+
+    @property
+    def dot_width(self) -> int:
+        """The ranks an expanding kernel's dot need cover: R, or max_rank where that is less."""
+        width = self.rank_width
+        return width if self.max_rank is None else max(1, min(width, self.max_rank))

@@ -55,14 +55,14 @@ def lora_apply(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: t
 
 
 def lora_factors(x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tensor,
-                 meta: LoRAMeta, slice_offsets: tuple[int, ...]) -> LoRAFactors:
+                 meta: LoRAMeta, slice_offsets: tuple[int, ...], max_rank: int | None = None) -> LoRAFactors:
     """The LoRA product of x: [T, in] as factors (the shrink run, the expand left to the op that consumes
-    the layer's output): as lora_apply, Triton kernels only."""
+    the layer's output): as lora_apply, Triton kernels only. max_rank: LoRAFactors.max_rank."""
     num_slices = len(slice_offsets) - 1
     # inter: [T, S*R] float32, the shrink's split-K partials already summed
     inter = torch.empty(x.shape[0], num_slices * meta.rank_width, dtype=torch.float32, device=x.device)
     lora_shrink(x, lora_a, lora_rank, meta, num_slices, inter)
-    return LoRAFactors(inter, lora_b, lora_rank, meta, tuple(slice_offsets))
+    return LoRAFactors(inter, lora_b, lora_rank, meta, tuple(slice_offsets), max_rank)
 
 
 def lora_apply_ref(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,

@@ -129,6 +129,62 @@ def shrink_split(programs, lora_tiles, token_programs, row_tiles, hidden, BLOCK_
 
 
 @triton.jit
+def _shrink_rows(
+    tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
+    x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr,
+    num_tokens, hidden, num_slices, rank_max,
+    stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt, stride_pn,
+    stride_ot, stride_on, stride_ct,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BN: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    PRECISION: tl.constexpr, PAGE: tl.constexpr,
+):
+    """The first BN <= BLOCK_N rows of row tile n_tile of a work item (token tile m_tile of its slot; `tile` in the
+    step's map): the rows of the adapter's own that lie there."""
+    # rows j of the adapter's own S*rank rows: slice j // rank, rank row j % rank
+    rows = n_tile * BLOCK_N + tl.arange(0, BN)  # rows: [BN]
+    row_ok = rows < num_slices * rank
+    s = rows // tl.maximum(rank, 1)
+    r = rows % tl.maximum(rank, 1)
+    offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
+    tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
+
+    # each row of A from its page: [BN] pages, rows s*PAGE + r % PAGE within the page
+    page = tl.load(page_ptr + adapter.to(tl.int64) * stride_pa + r // PAGE, mask=row_ok, other=0)
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
+    a_rows = a_ptr + page.to(tl.int64)[None, :] * stride_ap + (s * PAGE + r % PAGE)[None, :] * stride_an
+    acc = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+    for kk in range(0, k_per_split, BLOCK_K):
+        offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < hidden
+        a = tl.load(a_rows + offs_k[:, None] * stride_ak,
+                    mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BN]
+        x = tl.load(x_rows + offs_k[None, :] * stride_xk,
+                    mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
+        acc += tl.dot(x, a, input_precision=PRECISION)
+
+    mask = tok_ok[:, None] & row_ok[None, :]
+    cols = s * rank_max + r  # the intermediate's columns s*R + r: [BN]
+    dst = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
+    if split_k == 1:
+        tl.store(dst, acc, mask=mask)
+    else:
+        # part: [BLOCK_M, BN] pointers into split 0's slice of the partials
+        part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + cols[None, :] * stride_pn
+        tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        counter = counter_ptr + tile * stride_ct + n_tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:  # the last of the split_k
+            total = tl.zeros((BLOCK_M, BN), dtype=tl.float32)
+            for p in tl.static_range(SPLIT_K):  # in split order, whichever program is last; all loads at once
+                # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
+                in_split = tl.full((BLOCK_M, BN), p, tl.int32) < split_k
+                total += tl.load(part + p * stride_ps, mask=mask & in_split, other=0.0, cache_modifier=".cg")
+            tl.store(dst, total, mask=mask)
+            tl.store(counter, 0)
+
+
+@triton.jit
 def _shrink_item(
     code, tile, n_tile, split, split_k, k_per_split,
     x_ptr, a_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, part_ptr, out_ptr, counter_ptr,
@@ -138,52 +194,41 @@ def _shrink_item(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     PRECISION: tl.constexpr, PAGE: tl.constexpr,
 ):
-    """One work item: row tile n_tile of token tile `tile` (map entry `code`) over split `split` of K."""
+    """One work item: row tile n_tile of token tile `tile` (map entry `code`) over split `split` of K. A row tile
+    of which the adapter has at most 16 or 32 rows takes a dot of that width, not of BLOCK_N: a pool whose
+    max_lora_rank is larger than an adapter's rank costs it no more than its own rows."""
     slot, m_tile = code >> 16, code & 0xFFFF
     rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
-    if n_tile * BLOCK_N < num_slices * rank:  # else: every row lies beyond the adapter's rank
-        # rows j of the adapter's own S*rank rows: slice j // rank, rank row j % rank
-        rows = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # rows: [BLOCK_N]
-        row_ok = rows < num_slices * rank
-        s = rows // tl.maximum(rank, 1)
-        r = rows % tl.maximum(rank, 1)
-        offs_m = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        tok = tl.load(sorted_ptr + start + offs_m, mask=offs_m < count, other=0)  # tok: [BLOCK_M]
-        tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
-
-        # each row of A from its page: [BLOCK_N] pages, rows s*PAGE + r % PAGE within the page
-        page = tl.load(page_ptr + adapter.to(tl.int64) * stride_pa + r // PAGE, mask=row_ok, other=0)
-        x_rows = x_ptr + tok.to(tl.int64)[:, None] * stride_xt
-        a_rows = a_ptr + page.to(tl.int64)[None, :] * stride_ap + (s * PAGE + r % PAGE)[None, :] * stride_an
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kk in range(0, k_per_split, BLOCK_K):
-            offs_k = split * k_per_split + kk + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < hidden
-            a = tl.load(a_rows + offs_k[:, None] * stride_ak,
-                        mask=k_ok[:, None] & row_ok[None, :], other=0.0)  # a: [BLOCK_K, BLOCK_N]
-            x = tl.load(x_rows + offs_k[None, :] * stride_xk,
-                        mask=tok_ok[:, None] & k_ok[None, :], other=0.0)  # x: [BLOCK_M, BLOCK_K]
-            acc += tl.dot(x, a, input_precision=PRECISION)
-
-        mask = tok_ok[:, None] & row_ok[None, :]
-        cols = s * rank_max + r  # the intermediate's columns s*R + r: [BLOCK_N]
-        dst = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + cols[None, :] * stride_on
-        if split_k == 1:
-            tl.store(dst, acc, mask=mask)
+    rows_left = num_slices * rank - n_tile * BLOCK_N  # the adapter's rows from this row tile on
+    if rows_left > 0:  # else: every row lies beyond the adapter's rank
+        if BLOCK_N <= 16:
+            _shrink_rows(
+                tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
+                x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
+                rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                PAGE)
+        elif rows_left <= 16:
+            _shrink_rows(
+                tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
+                x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
+                rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, 16, BLOCK_K, SPLIT_K, PRECISION,
+                PAGE)
+        elif BLOCK_N <= 32 or rows_left > 32:
+            _shrink_rows(
+                tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
+                x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
+                rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                PAGE)
         else:
-            # part: [BLOCK_M, BLOCK_N] pointers into split 0's slice of the partials
-            part = part_ptr + tok.to(tl.int64)[:, None] * stride_pt + cols[None, :] * stride_pn
-            tl.store(part + split.to(tl.int64) * stride_ps, acc, mask=mask)
-            tl.debug_barrier()  # every thread's partial is stored before the release below
-            counter = counter_ptr + tile * stride_ct + n_tile
-            if tl.atomic_add(counter, 1, sem="acq_rel") == split_k - 1:  # the last of the split_k
-                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for p in tl.static_range(SPLIT_K):  # in split order, whichever program is last; all loads at once
-                    # .cg: read from L2, where the other programs' stores landed (never a stale L1 line)
-                    in_split = tl.full((BLOCK_M, BLOCK_N), p, tl.int32) < split_k
-                    total += tl.load(part + p * stride_ps, mask=mask & in_split, other=0.0, cache_modifier=".cg")
-                tl.store(dst, total, mask=mask)
-                tl.store(counter, 0)
+            _shrink_rows(
+                tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
+                x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
+                rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
+                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, 32, BLOCK_K, SPLIT_K, PRECISION,
+                PAGE)
 
 
 @triton.jit

@@ -151,7 +151,8 @@ class LoRALinear(nn.Module):
                 return self._forward_columns(x, lora, meta, extra)
             y = self.base(x).rounded(x.dtype)
             if self.factored and x.is_cuda:
-                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets)
+                factors = lora_factors(x, self.lora_a, self.lora_b, self.lora_rank, meta, self.slice_offsets,
+                                       lora.step_rank)
                 if self.reduce is not None:
                     self.reduce(factors.inter)
                 return LinearOutput(y, factors)

@@ -73,6 +73,7 @@ class LoRAMetaBuilder:
         self.active: tuple[bool, ...] = (False,) * self.num_tables  # per block: an adapter of the last build in it
         self.step_adapters = np.zeros(0, dtype=np.int64)  # the last build's distinct adapters, in slot order
         self.step_columns = 0  # the last build's adapters side by side: the sum of their slot_columns widths
+        self.step_rank = 0  # the last build's largest slot_columns width: no adapter of it has a larger rank
 
     def _split(self, buf):
         """Views of buf: token_slots, sorted_token_ids, slot_start, slot_count, slot_adapter, slot_columns,
@@ -132,6 +133,7 @@ class LoRAMetaBuilder:
                   else np.full(adapters.size, self.metas[0].rank_width))  # [k] each slot's columns
         columns[:adapters.size] = np.cumsum(widths) - widths
         self.step_columns = int(widths.sum())
+        self.step_rank = int(widths.max()) if widths.size else 0
         columns[adapters.size:] = self.step_columns
         self.step_adapters = adapters
         groups = np.arange(self.max_loras + 1, dtype=np.int64)

@@ -86,6 +86,10 @@ class LoRABatch:
     # what those columns hold (the ids, what each id was given, step_columns): equal keys, equal columns, so a
     # layer whose weight has the step's B beside it already need not place them again; (): place them
     columns_key: tuple = ()
+    # an eager pass: no adapter of the step has a larger rank in any layer (host), so the kernels that expand
+    # LoRA factors take dots this wide (LoRAFactors.max_rank); None: the pool's max_lora_rank (a captured pass,
+    # which later steps replay with other adapters)
+    step_rank: int | None = None
 
 
 @dataclass
@@ -246,21 +250,36 @@ class LoRARuntime:
         self.metadata.build(token_adapters)
         return self.metadata.metas
 
-    def for_step(self, token_adapters: np.ndarray, every_block: bool = False, in_gemms: bool = True) -> LoRABatch:
+    def for_step(self, token_adapters: np.ndarray, every_block: bool = False, in_gemms: bool = True,
+                 step_rank: int | None = None) -> LoRABatch:
         """write_metadata, and the LoRA state of an eager pass over these tokens: the layers of page blocks that
         no adapter of the step has weights in run without LoRA kernels, unless `every_block` (the start-up
         warm-up, which compiles them); on one GPU larger steps sum the products inside the base GEMMs, unless
-        not `in_gemms` (the warm-up compiles the other path too)."""
+        not `in_gemms` (the warm-up compiles the other path too). `step_rank`: the LoRABatch's, in place of
+        the step's adapters' largest rank (the warm-up, whose adapter holds nothing, compiles each width)."""
         metas = self.write_metadata(token_adapters)
         active = None if every_block else self.metadata.active
         adapters = self.metadata.step_adapters
+        rank = self.metadata.step_rank if step_rank is None else step_rank
         if not (self.gemm_columns and in_gemms) or not adapters.size:
-            return LoRABatch(metas, self._side_for_this_pass(), active)
+            return LoRABatch(metas, self._side_for_this_pass(), active, step_rank=rank)
         columns = self.metadata.step_columns
         if every_block:
             columns = max(columns, PAGE_RANK)  # the warm-up's adapter id holds nothing: compile that path anyway
         key = (tuple(adapters.tolist()), tuple(self.pool.adapter_versions[adapters].tolist()), columns)
-        return LoRABatch(metas, self._side_for_this_pass(), active, columns, int(adapters.size), key)
+        return LoRABatch(metas, self._side_for_this_pass(), active, columns, int(adapters.size), key, rank)
+
+    @property
+    def factors_may_run(self) -> bool:
+        """Whether larger steps can pass a layer's product on as factors (FACTORED_LAYERS): their adapters may
+        not fit the base GEMMs' columns, or there are none."""
+        return self.columns_may_overflow or not self.gemm_columns
+
+    def expand_widths(self) -> tuple[int, ...]:
+        """The widths a step's rank bound (LoRABatch.step_rank) gives the dots of the kernels that expand LoRA
+        factors, each a kernel of its own: 16, 32 and 64 up to the pool's rank width, and that width."""
+        width = self.pool.rank_width
+        return tuple(sorted({min(width, w) for w in (16, 32, 64)} | {width}))
 
     def for_capture(self) -> LoRABatch:
         """The LoRA state of a pass captured into a CUDA graph: the static metadata buffers, not rewritten."""

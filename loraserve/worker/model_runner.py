@@ -197,16 +197,22 @@ class ModelRunner:
         take here, at start-up, not while requests wait. With LoRA the tokens name adapter id 0 (no adapter
         is loaded yet: rank 0 in every layer, so the kernels run and add nothing); where a step's adapters can
         need more room than the base GEMMs have for their products, sizes that put them there run twice, so
-        that the path of such steps is compiled too."""
+        that the path of such steps is compiled too (at the first such size once for each width the kernels
+        that expand LoRA factors can take: LoRABatch.step_rank)."""
         sizes = warm_up_sizes(self.config.scheduler.max_num_batched_tokens)
         lora = self.lora
+        widths = lora.expand_widths() if lora is not None else ()
         start = time.perf_counter()
         for num_tokens in sizes:
             inputs = StepInputs.dummy_prefill(num_tokens, self.config.model.max_model_len, self.dummy_block,
                                               self.block_size, -1 if lora is None else 0)
             self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True))
-            if lora is not None and lora.columns_may_overflow and num_tokens > lora.side.scratch.max_tokens:
-                self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True, lora_in_gemms=False))
+            if (lora is not None and lora.side is not None and lora.factors_may_run
+                    and num_tokens > lora.side.scratch.max_tokens):
+                for rank in widths or (None,):
+                    self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True, lora_in_gemms=False,
+                                                                 lora_step_rank=rank))
+                widths = ()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         logger.info("eager warm-up at %d step sizes (%d..%d tokens): %.1f s", len(sizes), sizes[0], sizes[-1],
@@ -219,18 +225,18 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_eager(self, inputs: StepInputs, fill: PendingTokenFill | None = None,
                       rows: np.ndarray | None = None, every_lora_layer: bool = False,
-                      lora_in_gemms: bool = True) -> torch.Tensor:
+                      lora_in_gemms: bool = True, lora_step_rank: int | None = None) -> torch.Tensor:
         """The model on this step's tokens; returns the hidden states of `rows` [R, D] (default: the sampled
         rows). LoRA layers that no adapter of the step has weights in run without LoRA kernels, unless
         `every_lora_layer` (the warm-up); larger steps sum the LoRA products inside the base GEMMs where they
-        fit, unless not `lora_in_gemms` (the warm-up)."""
+        fit, unless not `lora_in_gemms` (the warm-up); `lora_step_rank`: LoRARuntime.for_step's (the warm-up)."""
         attn = AttentionMetadata(
             slot_mapping=self._to_device(inputs.slot_mapping), block_tables=self._to_device(inputs.block_tables),
             seq_lens=self._to_device(inputs.seq_lens), query_start_loc=self._to_device(inputs.query_start_loc),
             max_query_len=inputs.max_query_len, is_decode=inputs.is_decode, num_decode_rows=inputs.num_decode_rows)
         lora = None
         if self.lora is not None and (inputs.token_adapters >= 0).any():
-            lora = self.lora.for_step(inputs.token_adapters, every_lora_layer, lora_in_gemms)
+            lora = self.lora.for_step(inputs.token_adapters, every_lora_layer, lora_in_gemms, lora_step_rank)
         share = self.tp.is_parallel and inputs.has_pending_tokens  # (asked before the fill: on the CPU the
         input_ids = self._to_device(inputs.input_ids)                # device ids are the host array itself)
         if fill is not None:

@@ -101,13 +101,15 @@ def meta_of(pool, slots, builder):
 
 
 def make_case(seed, hidden, slice_sizes, rank_max, num_loras, num_tokens, kind, base_fraction,
-              dtype=torch.float32, device=DEVICE, max_tokens=None):
-    """Random weights, ranks (one adapter may have rank 0), inputs and metadata for one test case.
-    "slots" are adapter indices 0..L-1 here (the builder gives them slots of its own)."""
+              dtype=torch.float32, device=DEVICE, max_tokens=None, rank_cap=None):
+    """Random weights, ranks (one adapter may have rank 0; none above rank_cap, in a pool rank_max wide),
+    inputs and metadata for one test case. "slots" are adapter indices 0..L-1 here (the builder gives them
+    slots of its own)."""
     gen = torch.Generator().manual_seed(seed)
     rng = np.random.default_rng(seed)
-    ranks = [int(r) for r in rng.integers(1, rank_max + 1, num_loras)]
-    ranks[0] = rank_max
+    top = rank_max if rank_cap is None else rank_cap
+    ranks = [int(r) for r in rng.integers(1, top + 1, num_loras)]
+    ranks[0] = top
     if num_loras > 2:
         ranks[-1] = 0
     pool = make_weights(num_loras, slice_sizes, rank_max, hidden, ranks, dtype, device, gen)
@@ -167,6 +169,8 @@ WIDE_DECODE_EXPAND = ExpandConfig(16, 128, 16, num_warps=4, col_tiles=4)  # seve
 # the decode shapes spread a step's work at run time (dynamic): small versions of them
 DYNAMIC_SHRINK = ShrinkConfig(16, 16, 32, 3, dynamic=True)
 TILE_PROGRAMS_SHRINK = ShrinkConfig(32, 32, 32, 1, num_warps=4, num_stages=2, tile_programs=True)
+WIDE_SHRINK = ShrinkConfig(16, 64, 32, 1, tile_programs=True)  # row tiles of 64: dots of 16, 32 or 64 rows
+WIDE_SPLIT_SHRINK = ShrinkConfig(16, 64, 32, 2, dynamic=True)
 DYNAMIC_EXPAND = ExpandConfig(16, 16, 16, col_tiles=3, dynamic=True)
 SCALED_EXPAND = ExpandConfig(16, 32, 16, col_tiles=2, dynamic=True, program_scale=4)  # more token programs
 # the pages of an item's first BLOCK_R ranks loaded once for its column tiles
@@ -215,6 +219,9 @@ CASES = [
     (64, (40, 16, 16), 72, 3, 20, "uniform", 0.1, None, PIPELINED_EXPAND),  # wider than MAX_PIPELINED_RANK
     # a program per tile the step can have: more adapters' tiles than the fixed grid's programs
     (64, (48, 16), 16, 24, 40, "distinct", 0.1, TILE_PROGRAMS_SHRINK, None),
+    # row tiles wider than an adapter's rows (S * rank): a dot as wide as the rows it has there, 16 or 32
+    (64, (48, 16, 16), 24, 6, 40, "uniform", 0.1, WIDE_SHRINK, None),
+    (96, (40, 24), 40, 5, 30, "distinct", 0.1, WIDE_SPLIT_SHRINK, None),
 ]
 
 
@@ -258,17 +265,18 @@ def test_long_prefill_shrink_gives_every_tile_a_program():
 
 
 def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens, kind, base, dtype=torch.float32,
-                               device=DEVICE, rtol=1e-5, atol=1e-5):
+                               device=DEVICE, rtol=1e-5, atol=1e-5, rank_cap=None):
     """silu_and_mul with gate/up's LoRA product as factors equals the product expanded into gate/up
-    (the reference expand, rounded to gate/up's dtype) followed by the reference silu_and_mul."""
+    (the reference expand, rounded to gate/up's dtype) followed by the reference silu_and_mul. rank_cap: the
+    adapters' ranks at most this, in factors rank_max wide, and the factors told so (LoRAFactors.max_rank)."""
     case = make_case(seed, 16, (inter_size, inter_size), rank_max, num_loras, num_tokens, kind, base,
-                     dtype=dtype, device=device)
+                     dtype=dtype, device=device, rank_cap=rank_cap)
     inter = poisoned_inter(case, case["meta"].rank_width)
     gate_up = torch.randn(num_tokens, 2 * inter_size + 6, generator=case["gen"]).to(device, dtype)[:, 3:-3]
     merged = gate_up.clone()
     lora_expand_ref(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], merged)
     want = silu_and_mul_ref(merged).float()
-    factors = LoRAFactors(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"])
+    factors = LoRAFactors(inter, case["b"], case["slot_rank"], case["meta"], case["offsets"], rank_cap)
     got = silu_and_mul(gate_up, factors).float()
     # a product summed in another order may round to a neighbouring value of gate/up's dtype
     bad = (got - want).abs() > atol + rtol * (want.abs() + (merged.float() - gate_up.float()).abs().amax(1, True))
@@ -284,9 +292,17 @@ def check_silu_and_mul_factors(seed, inter_size, rank_max, num_loras, num_tokens
     (16, 8, 2, 5, "uniform", 1.0),  # no adapter at all
     (300, 16, 12, 60, "distinct", 0.1),  # more adapters' tiles than cdiv(T, 16) + LOOSE_TILES; 5 column tiles
     (48, 72, 3, 30, "skewed", 0.2),  # factors wider than MAX_PIPELINED_RANK: rank steps in each column tile
+    (70, 64, 6, 40, "distinct", 0.1),  # ranks 1-64 in factors 64 wide: dots 16, 32 and 64 ranks wide
 ])
 def test_silu_and_mul_expands_lora_factors(inter_size, rank_max, num_loras, num_tokens, kind, base):
     check_silu_and_mul_factors(11, inter_size, rank_max, num_loras, num_tokens, kind, base)
+
+
+@pytest.mark.parametrize("rank_max,rank_cap", [(64, 16), (64, 30), (72, 24)])
+def test_silu_and_mul_takes_dots_as_wide_as_the_steps_largest_rank(rank_max, rank_cap):
+    """Factors wider than every adapter's rank, and told so: the dot covers the ranks the adapters have (a
+    16-wide one; 16 or 32 wide; the pipelined path where the pool's width alone would take rank steps)."""
+    check_silu_and_mul_factors(12, 70, rank_max, 6, 40, "distinct", 0.1, rank_cap=rank_cap)
 
 
 def naive_lora(x, a, b, ranks, slots, offsets):

@@ -231,6 +231,13 @@ def test_a_steps_adapters_lie_side_by_side_as_wide_as_their_largest_ranks():
     assert runtime.metadata.meta.slot_columns.tolist()[:4] == [0, int(widths[0]), int(widths[:2].sum()), 56]
     assert runtime.for_step(np.array([ids[0], ids[1], ids[2]])).columns_key == batch.columns_key
     assert runtime.for_step(np.array([-1, -1])).step_columns == 0  # no adapter: no columns
+    # the largest rank of the step's adapters bounds the dots of the kernels that expand factors
+    assert batch.step_rank == 32 and runtime.for_step(np.array([ids[0], -1, ids[2]])).step_rank == 16
+    assert runtime.for_step(np.array([ids[0]]), step_rank=32).step_rank == 32  # the warm-up's, as asked
+    runtime.gemm_columns = False
+    assert runtime.for_step(np.array([ids[0], ids[0]])).step_rank == 8
+    assert runtime.expand_widths() == (16, 32)
+    runtime.gemm_columns = True
     runtime.release(ids[1])
     again = runtime.load(runtime.pack(random_adapter(runtime.spec, "b32", 32, seed=9)))[0]
     assert again == ids[1]
