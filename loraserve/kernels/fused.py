@@ -373,9 +373,9 @@ class SiluLoRAConfig:
     decode rows of 80 more adapters): a tile's factors and pages loaded once for its 8 column tiles of 64 and
     their loads pipelined 3 deep, 1.42-1.76x the plain kernel's time, where loading them per column tile of 4,
     unpipelined, took 1.99-2.50x; wider or taller tiles were slower. The dot is as wide as the step's largest
-    rank (LoRAFactors.dot_width): in a pool of rank width 64, the same steps took 239-299 us told that their
+    rank (LoRAFactors.dot_width): in a pool of rank width 64, the same steps took 236-299 us told that their
     adapters have rank 16, and 292-371 us told only the pool's width (a dot per tile of 16, 32 or 64 ranks, as
-    its adapter's rank; 488-590 us with every dot 64 wide). Dots wider than lora_expand.MAX_PIPELINED_RANK
+    its adapter's rank; 481-590 us with every dot 64 wide). Dots wider than lora_expand.MAX_PIPELINED_RANK
     take rank steps of 16 in each column tile, unpipelined."""
 
     block_m: int = 16  # tokens per tile (one of lora_meta.TILE_BLOCKS)

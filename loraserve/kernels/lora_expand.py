@@ -441,6 +441,6 @@ class LoRAFactors:
 
     @property
     def dot_width(self) -> int:
-        """The ranks an expanding kernel's dot need cover: R, or max_rank where that is less."""
+        """The ranks an expanding kernel's dot must cover: R, or max_rank where that is less."""
         width = self.rank_width
         return width if self.max_rank is None else max(1, min(width, self.max_rank))

@@ -197,8 +197,9 @@ class ModelRunner:
         take here, at start-up, not while requests wait. With LoRA the tokens name adapter id 0 (no adapter
         is loaded yet: rank 0 in every layer, so the kernels run and add nothing); where a step's adapters can
         need more room than the base GEMMs have for their products, sizes that put them there run twice, so
-        that the path of such steps is compiled too (at the first such size once for each width the kernels
-        that expand LoRA factors can take: LoRABatch.step_rank)."""
+        that the path of such steps is compiled too; where larger steps can pass a product on as factors
+        (LoRARuntime.factors_may_run), the first such size runs once more for each width the kernels that
+        expand them can take (LoRABatch.step_rank)."""
         sizes = warm_up_sizes(self.config.scheduler.max_num_batched_tokens)
         lora = self.lora
         widths = lora.expand_widths() if lora is not None else ()
@@ -209,7 +210,8 @@ class ModelRunner:
             self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True))
             if (lora is not None and lora.side is not None and lora.factors_may_run
                     and num_tokens > lora.side.scratch.max_tokens):
-                for rank in widths or (None,):
+                # the first such size: once for each dot width; later ones: the path without the GEMMs' columns
+                for rank in widths or ((None,) if lora.columns_may_overflow else ()):
                     self.model.compute_logits(self.forward_eager(inputs, every_lora_layer=True, lora_in_gemms=False,
                                                                  lora_step_rank=rank))
                 widths = ()
