@@ -510,9 +510,9 @@ def prefill_kernels(bw, reps, num_tokens=8192):
             row["shrink_floor_us"] = 1e6 * shrink_bytes / bw
             row["expand_floor_us"] = 1e6 * (row["bytes"] - shrink_bytes) / bw
             rows.append(row)
-            print(f"{name:8s} ranks {key:5s} shrink {row['shrink_us']:7.1f} ({row['shrink_us'] / row['shrink_floor_us']:.2f}x)"
-                  f"  expand {row['expand_us']:7.1f} ({row['expand_us'] / row['expand_floor_us']:.2f}x)"
-                  f"  pair {row['us']:7.1f} us")
+            print(f"{name:8s} ranks {key:5s} shrink {row['shrink_us']:7.1f} "
+                  f"({row['shrink_us'] / row['shrink_floor_us']:.2f}x)  expand {row['expand_us']:7.1f} "
+                  f"({row['expand_us'] / row['expand_floor_us']:.2f}x)  pair {row['us']:7.1f} us")
             del layer
             torch.cuda.empty_cache()
     return rows

@@ -145,7 +145,8 @@ def rms_norm(
         x, delta, res_in, weight, out, res_dst,
         x.stride(0), delta.stride(0), res_in.stride(0), out.stride(0), res_dst.stride(0),
         dim, 1.0 / dim, eps,
-        HAS_DELTA=x_delta is not None, HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps, enable_fp_fusion=False,
+        HAS_DELTA=x_delta is not None, HAS_RESIDUAL=residual is not None, BLOCK_D=block_d, num_warps=num_warps,
+        enable_fp_fusion=False,
         pre_w_ptr=weight if pre_weight is None else pre_weight, PRE_NORM=pre_weight is not None,
         UNIT_OFFSET=unit_offset, **pdl_launch(x),
     )
@@ -230,8 +231,8 @@ def silu_and_mul(gate_up: torch.Tensor, delta: torch.Tensor | LoRAFactors | None
     grid = (num_tokens, cdiv(inter, _SILU_BLOCK))
     d = gate_up if delta is None else delta
     _silu_and_mul_launch(grid, gate_up, d, out, gate_up.stride(0), d.stride(0), out.stride(0), inter,
-                               HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
-                               enable_fp_fusion=False, GELU_TANH=activation == "gelu_tanh", **pdl_launch(gate_up))
+                         HAS_DELTA=delta is not None, BLOCK=_SILU_BLOCK, LIBDEVICE_EXP=gate_up.is_cuda, num_warps=4,
+                         enable_fp_fusion=False, GELU_TANH=activation == "gelu_tanh", **pdl_launch(gate_up))
     return out
 
 

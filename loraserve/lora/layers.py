@@ -80,7 +80,8 @@ class LoRALinear(nn.Module):
         self.lora_rank: torch.Tensor | None = None
         self.rank_width = 0  # R: rank rows per slice of the LoRA intermediate
         self.page_block = 0  # the pool's page block holding this layer (its LoRAMeta in LoRABatch.metas)
-        # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a capture)
+        # the side stream's fork and join, reused every step (wait_stream made a new event per call: ~70 us in a
+        # capture)
         self._fork: torch.cuda.Event | None = None
         self._join: torch.cuda.Event | None = None
         # the side-stream launches of this layer by token count (one BoundLoRADelta per kernel shape)
