@@ -35,11 +35,14 @@ overall and per popularity class (zipf: "hot" = the requests of the 10 % most
 popular adapters, "cold" = the rest; fairness: the hot adapter and the cold
 ones), ITL p50/p99, and the wall time split by the kind of step between
 schedule calls (decode rows only; with prompt tokens; nothing to run, e.g.
-waiting for adapter reads). The floor of a step is max(bytes / copy bandwidth,
-FLOPs / GEMM rate), both measured in the same run: bytes = weights + KV read
-(context of every scheduled sequence) + the step's distinct adapters (A + B in
-the model dtype), FLOPs = 2 x decoder-layer parameters x prompt tokens computed
-in the step; achieved/floor = the sum of the floors over the wall time. Checks:
+waiting for adapter reads), and the decode waves: runs of 20 or more decode-only
+steps with about the same distinct adapters (the requests of one output length
+finish together), each with its median step time and its adapters' bytes over
+the copy bandwidth (`decode_waves`). The floor of a step is max(bytes / copy
+bandwidth, FLOPs / GEMM rate), both measured in the same run: bytes = weights +
+KV read (context of every scheduled sequence) + the step's distinct adapters
+(A + B in the model dtype), FLOPs = 2 x decoder-layer parameters x prompt tokens
+computed in the step; achieved/floor = the sum of the floors over the wall time. Checks:
 engine steps <= 1.15x base for the 64/512/2000 scenarios, LoRA achieved/floor
 >= 0.9x base's, fairness: every request finished and cold p99 TTFT <= 3x hot
 p99 TTFT. Each run's ratios are to the base engine's run on the same arrivals:
@@ -150,6 +153,8 @@ class Ceilings(NamedTuple):
 
 
 SMALL_PROMPT_STEP = 1024  # prompt tokens: steps with fewer are counted apart in the printed notes
+WAVE_MIN_STEPS = 20  # decode-only steps in a row of about the same distinct adapters that make a "decode wave"
+WAVE_SPREAD = 3  # distinct adapters by which a wave's steps may differ from its first
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -218,6 +223,29 @@ def run_floor(engine, steps: list[throughput.StepRecord], adapter_sizes: dict[st
             total[key] += value
     total["bytes"] = total["weight_bytes"] + total["kv_bytes"] + total["adapter_bytes"]
     return total
+
+
+def decode_waves(trace: list[list], adapter_bytes: list[int], bandwidth: float) -> list[dict]:
+    """The run's decode waves: runs of at least WAVE_MIN_STEPS decode-only steps in a row, each after a decode-only
+    step (its period then holds its own GPU time only), whose distinct adapters stay within WAVE_SPREAD of the
+    run's first step. With one output length the requests of a wave finish together, so a step's distinct
+    adapters hold for a wave and its time follows them. trace: the JSON's step_trace; adapter_bytes: per step
+    the bytes of its distinct adapters. Per wave: its median distinct adapters, its steps, their median seconds
+    and the median of their adapters' bytes over the copy bandwidth (seconds)."""
+    waves, current = [], []
+    for i, (_, prompt_tokens, decode_rows, adapters) in enumerate(trace):
+        decode_only = i > 0 and prompt_tokens == 0 and decode_rows > 0 and trace[i - 1][1] == 0
+        if decode_only and current and abs(adapters - trace[current[0]][3]) <= WAVE_SPREAD:
+            current.append(i)
+            continue
+        if len(current) >= WAVE_MIN_STEPS:
+            waves.append(current)
+        current = [i] if decode_only else []
+    if len(current) >= WAVE_MIN_STEPS:
+        waves.append(current)
+    return [{"adapters": float(np.median([trace[i][3] for i in wave])), "steps": len(wave),
+             "p50_s": float(np.median([trace[i][0] for i in wave])),
+             "adapter_bytes_s": float(np.median([adapter_bytes[i] for i in wave])) / bandwidth} for wave in waves]
 
 
 class AdapterFiles:
@@ -347,6 +375,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
     manager = engine.lora_manager
     floor = run_floor(engine, steps, sizes, ceilings)
     decode_steps = [s.num_decode for s in steps if s.num_decode]
+    step_trace = log.trace(end)
     out_tokens = sum(len(t) for t in times.values())
     result = {
         "scenario": scenario.name if scenario else "base", "num_adapters": scenario.num_adapters if scenario else 0,
@@ -368,7 +397,9 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "read_seconds_total": read_seconds(before, after), "read_slots": manager.read_slots if manager else 0,
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
-        "step_seconds": log.seconds_by_kind(end), "step_trace": log.trace(end),
+        "step_seconds": log.seconds_by_kind(end), "step_trace": step_trace,
+        "decode_waves": decode_waves(step_trace, [sum(sizes[n] for n in s.adapters) for s in steps],
+                                     ceilings.bandwidth),
         **latency(trace, times, classes)}
     del engine, steps, log, manager
     bc.release_memory()
@@ -443,6 +474,10 @@ def print_results(runs: dict[str, dict], args, device) -> None:
                   f"{np.mean([step[2] for step in prompt_steps]):.0f} decode rows each on average, "
                   f"{1e3 * split['prompt']['seconds'] / tokens:.3f} ms per prompt token; {len(small)} of them under "
                   f"{SMALL_PROMPT_STEP} prompt tokens ({sum(step[0] for step in small):.2f} s)")
+        if r["decode_waves"]:
+            print("    decode waves (distinct adapters: steps, median step ms, adapters' bytes ms): "
+                  + "; ".join(f"{w['adapters']:.0f}: {w['steps']}, {1e3 * w['p50_s']:.2f}, "
+                              f"{1e3 * w['adapter_bytes_s']:.2f}" for w in r["decode_waves"]))
     bc.print_engines({name: r["engine"] for name, r in runs.items()}, with_kv_blocks=True)
 
 

@@ -15,7 +15,7 @@ import many_adapters  # noqa: E402 (the benchmark under test)
 RUN_FIELDS = ("output_tok_s", "vs_base_tok_s", "engine_steps", "vs_base_steps", "mean_decode_batch",
               "vs_base_decode_batch", "mean_distinct_adapters", "floor", "achieved_vs_floor", "vs_base_floor",
               "h2d_adapter_bytes", "gpu_loads", "gpu_evictions", "pool_bytes_used_peak", "pool_bytes_total",
-              "ttft_s", "itl_s", "finished", "requests")
+              "ttft_s", "itl_s", "finished", "requests", "decode_waves")
 
 
 def test_many_adapters_quick(tmp_path):
@@ -73,3 +73,19 @@ def test_many_adapters_quick(tmp_path):
     assert "fairness: cold p99 TTFT / hot p99 TTFT" in checks
     assert (tmp_path / "many_adapters.png").exists() or importlib.util.find_spec("matplotlib") is None
 
+
+
+def test_decode_waves():
+    """Runs of decode-only steps with about the same distinct adapters, each step after a decode-only one; a prompt
+    step, the step right after it and a jump in distinct adapters end a wave; runs shorter than WAVE_MIN_STEPS
+    are left out."""
+    n = many_adapters.WAVE_MIN_STEPS
+    trace = ([[0.5, 4000, 0, 3]] + [[0.010, 0, 256, 3]] * (n + 1)  # prompt step, then a wave of 3 (its first after
+             + [[0.012, 0, 256, 3 + many_adapters.WAVE_SPREAD + 1]] * n  # the prompt step is not decode-only)
+             + [[0.3, 2000, 200, 9]] + [[0.2, 0, 256, 9]] + [[0.013, 0, 256, 9]] * (n - 1))  # too short
+    adapter_bytes = [1000 * step[3] for step in trace]
+    waves = many_adapters.decode_waves(trace, adapter_bytes, bandwidth=1e6)
+    assert [w["steps"] for w in waves] == [n, n]  # the first wave's first step follows the prompt step
+    assert [w["adapters"] for w in waves] == [3, 3 + many_adapters.WAVE_SPREAD + 1]
+    assert [w["p50_s"] for w in waves] == [0.010, 0.012]
+    assert waves[0]["adapter_bytes_s"] == 3000 / 1e6
