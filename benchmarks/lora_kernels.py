@@ -531,6 +531,11 @@ STEP_RANK_WIDTHS = (16, 64)
 # --prefill-steps: the in-place expand also timed in these shapes, (name, changes to the engine's shape for T)
 STEP_EXPAND_VARIANTS = (("pipelined column tiles, 2 stages", dict(col_stages=2)),
                         ("pipelined column tiles, 3 stages", dict(col_stages=3)))
+# --prefill-steps: the shrink also timed in these shapes, (name, changes to the engine's shape for T): more programs an
+# SM (kernel_resources.py: the engine's q/k/v shrink of 8,192 tokens fits one program of 4 warps an SM, its 64-token
+# tiles about one program per SM)
+STEP_SHRINK_VARIANTS = (("32-token tiles", dict(block_m=32)),
+                        ("32-token tiles, 3 stages", dict(block_m=32, num_stages=3)), ("8 warps", dict(num_warps=8)))
 
 
 def step_adapters(mix, rng):
@@ -550,9 +555,9 @@ def step_adapters(mix, rng):
 
 def prefill_steps(reps, ops=3):
     """Per layer, pool rank width (STEP_RANK_WIDTHS) and STEP_MIXES step, us in a CUDA graph (ops launches, each
-    step's own adapters and tensors): the shrink, the in-place expand (q/k/v, o, down; also in each
-    STEP_EXPAND_VARIANTS shape), and for gate/up silu_and_mul expanding the product from its factors against the
-    plain silu_and_mul, each in the engine's shape for the step's T."""
+    step's own adapters and tensors): the shrink (also in each STEP_SHRINK_VARIANTS shape), the in-place expand
+    (q/k/v, o, down; also in each STEP_EXPAND_VARIANTS shape), and for gate/up silu_and_mul expanding the product
+    from its factors against the plain silu_and_mul, each in the engine's shape for the step's T."""
     rows = []
     gen, rng = torch.Generator().manual_seed(2), np.random.default_rng(2)
     print(f"\nsteps that prefill, rank-16 adapters drawn from {STEP_POOL}: us per launch")
@@ -578,6 +583,12 @@ def prefill_step_row(layer, width, mix, rng, reps, ops):
     row = dict(layer=layer.name, rank_width=width, step=mix, T=t, adapters=len(set(steps[0].tolist())))
     row["shrink_us"] = graph_us([lambda i=i: lora_shrink(xs[i], layer.a, layer.rank, metas[i], layer.num_slices,
                                                          inters[i]) for i in range(ops)], reps)
+    shrink_more = ""
+    for label, change in STEP_SHRINK_VARIANTS:
+        cfg = dataclasses.replace(shrink_config(t, layer.hidden, inters[0].shape[1]), **change)
+        row[f"shrink_us ({label})"] = graph_us([lambda i=i: lora_shrink(
+            xs[i], layer.a, layer.rank, metas[i], layer.num_slices, inters[i], cfg) for i in range(ops)], reps)
+        shrink_more += f", {label} {row[f'shrink_us ({label})']:7.1f}"
     if layer.name == "gate_up":
         # the engine tells the factors its step's largest rank (LoRAFactors.max_rank, where the build has it)
         bound = {"max_rank": GRID_RANK} if "max_rank" in {f.name for f in dataclasses.fields(LoRAFactors)} else {}
@@ -602,7 +613,7 @@ def prefill_step_row(layer, width, mix, rng, reps, ops):
                 inters[i], layer.b, layer.rank, metas[i], layer.offsets, ys[i], cfg) for i in range(ops)], reps)
             more += f", {label} {row[f'expand_us ({label})']:7.1f}"
     print(f"{layer.name:8s} width {width:3d} {mix:20s} T={t:5d} {row['adapters']:4d} adapters  "
-          f"shrink {row['shrink_us']:7.1f}  " + more)
+          f"shrink {row['shrink_us']:7.1f}{shrink_more}  " + more)
     return row
 
 
