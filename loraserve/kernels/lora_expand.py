@@ -82,9 +82,10 @@ class ExpandConfig:
     # tile (each such load is a dependent global load before the tile's B load)
     hoist_pages: bool = False
     # > 1: a work item loads its pages and its tokens' factors (every rank, of each slice) once and pipelines its
-    # column tiles' loads this deep (one dot per slice of a tile, over BLOCK_R >= the rank width; packed layers of
-    # at most MAX_PIPELINED_SLICES slices, rank widths up to MAX_PIPELINED_RANK); 1, or wider factors: rank steps
-    # of block_r within each column tile in turn (hoist_pages applies to these only)
+    # column tiles' loads this deep (a dot over BLOCK_R >= the rank width, one per tile where the slices' boundaries
+    # fall on column tiles, else one per slice of the tile; packed layers of at most MAX_PIPELINED_SLICES slices,
+    # rank widths up to MAX_PIPELINED_RANK); 1, or wider factors: rank steps of block_r within each column tile in
+    # turn (hoist_pages applies to these only)
     col_stages: int = 1
 
 
@@ -194,9 +195,12 @@ def _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, to
                            rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
                            SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr,
-                           OVERWRITE: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr, COL_STAGES: tl.constexpr):
+                           OVERWRITE: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr, COL_STAGES: tl.constexpr,
+                           SLICES_ALIGNED: tl.constexpr):
     """A work item's column tiles with its pages and factors loaded once (BLOCK_R >= rank_max) and the tiles'
-    loads pipelined COL_STAGES deep; each tile sums one dot per slice over the columns of that slice."""
+    loads pipelined COL_STAGES deep. With SLICES_ALIGNED (every slice boundary a multiple of BLOCK_N) each tile
+    lies in one slice and takes one dot with that slice's factors; otherwise it sums one dot per slice over the
+    columns of that slice."""
     offs_r = tl.arange(0, BLOCK_R)
     r_ok = offs_r < rank
     pages = tl.load(page_row + offs_r // PAGE, mask=r_ok, other=0)  # [BLOCK_R]
@@ -212,18 +216,27 @@ def _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, to
     if NUM_SLICES > 2:
         a2 = tl.load(inter_rows + (2 * rank_max + offs_r)[None, :] * stride_ir, mask=a_mask, other=0.0)
     for j in tl.range(num_col_tiles, num_stages=COL_STAGES):
-        cols = (first_col_tile + j) * BLOCK_N + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
+        col0 = (first_col_tile + j) * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)  # cols: [BLOCK_N]
         col_ok = cols < n_out
         mask = tok_ok[:, None] & col_ok[None, :]
         old = _old_tile(y_rows, cols, mask, stride_yn, BLOCK_M, BLOCK_N, OVERWRITE)  # [BM, BN]
         b = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
-        acc = tl.dot(a0, tl.where((cols < SLICE_OFFSETS[1])[None, :], b, 0.0), input_precision=PRECISION)
-        if NUM_SLICES > 1:
-            in_slice = (cols >= SLICE_OFFSETS[1]) & (cols < SLICE_OFFSETS[2])
-            acc += tl.dot(a1, tl.where(in_slice[None, :], b, 0.0), input_precision=PRECISION)
-        if NUM_SLICES > 2:
-            acc += tl.dot(a2, tl.where((cols >= SLICE_OFFSETS[2])[None, :], b, 0.0), input_precision=PRECISION)
+        if SLICES_ALIGNED:  # the tile's slice: the last whose first column is at most col0
+            a = a0
+            if NUM_SLICES > 1:
+                a = tl.where(col0 >= SLICE_OFFSETS[1], a1, a)
+            if NUM_SLICES > 2:
+                a = tl.where(col0 >= SLICE_OFFSETS[2], a2, a)
+            acc = tl.dot(a, b, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a0, tl.where((cols < SLICE_OFFSETS[1])[None, :], b, 0.0), input_precision=PRECISION)
+            if NUM_SLICES > 1:
+                in_slice = (cols >= SLICE_OFFSETS[1]) & (cols < SLICE_OFFSETS[2])
+                acc += tl.dot(a1, tl.where(in_slice[None, :], b, 0.0), input_precision=PRECISION)
+            if NUM_SLICES > 2:
+                acc += tl.dot(a2, tl.where((cols >= SLICE_OFFSETS[2])[None, :], b, 0.0), input_precision=PRECISION)
         _store_sum(y_rows, cols, mask, stride_yn, old, acc)
 
 
@@ -234,7 +247,8 @@ def _expand_item(code, first_col_tile, num_col_tiles,
                  stride_yt, stride_yn,
                  SLICE_OFFSETS: tl.constexpr, NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr,
-                 PAGE: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr, COL_STAGES: tl.constexpr):
+                 PAGE: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr, COL_STAGES: tl.constexpr,
+                 SLICES_ALIGNED: tl.constexpr):
     """One work item: num_col_tiles column tiles from first_col_tile of the token tile of map entry `code`."""
     slot, m_tile = code >> 16, code & 0xFFFF
     rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
@@ -249,7 +263,7 @@ def _expand_item(code, first_col_tile, num_col_tiles,
             _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, tok_ok, b_ptr, page_row, rank,
                                    rank_max, n_out, stride_ir, stride_bp, stride_br, stride_bn, stride_yn,
                                    SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R, PRECISION, OVERWRITE, PAGE,
-                                   PDL, COL_STAGES)
+                                   PDL, COL_STAGES, SLICES_ALIGNED)
         else:
             if HOIST_PAGES:  # the pages of the first BLOCK_R ranks, once for all the item's column tiles
                 first_pages = tl.load(page_row + tl.arange(0, BLOCK_R) // PAGE, mask=tl.arange(0, BLOCK_R) < rank,
@@ -286,6 +300,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     COL_TILES: tl.constexpr, PRECISION: tl.constexpr, OVERWRITE: tl.constexpr, PAGE: tl.constexpr,
     DYNAMIC: tl.constexpr, PDL: tl.constexpr, HOIST_PAGES: tl.constexpr, COL_STAGES: tl.constexpr,
+    SLICES_ALIGNED: tl.constexpr,
 ):
     # With PDL, programs without work end before gdc_wait. That is safe: a program with work waits for
     # the whole shrink grid, and the expand has work on every tile where the shrink has some (an
@@ -316,7 +331,8 @@ def _expand_kernel(
                          inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                          num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
                          stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES, COL_STAGES)
+                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES, COL_STAGES,
+                         SLICES_ALIGNED)
             u += programs
     else:
         # the grid's own items: program (column group, p) takes token tiles p, p + G, ... (G token programs)
@@ -327,7 +343,8 @@ def _expand_kernel(
                          inter_ptr, b_ptr, rank_ptr, sorted_ptr, start_ptr, count_ptr, adapter_ptr, page_ptr, y_ptr,
                          num_tokens, n_out, rank_max, stride_it, stride_ir, stride_bp, stride_br, stride_bn,
                          stride_pa, stride_yt, stride_yn, SLICE_OFFSETS, NUM_SLICES, BLOCK_M, BLOCK_N, BLOCK_R,
-                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES, COL_STAGES)
+                         PRECISION, OVERWRITE, PAGE, PDL, HOIST_PAGES, COL_STAGES,
+                         SLICES_ALIGNED)
             tile += tl.num_programs(1)
             code = next_code
 
@@ -412,6 +429,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic,
         HOIST_PAGES=cfg.hoist_pages, COL_STAGES=col_stages,
+        SLICES_ALIGNED=all(o % cfg.block_n == 0 for o in offsets[1:-1]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
 

@@ -217,6 +217,11 @@ CASES = [
     (64, (200,), 8, 30, 40, "distinct", 0.1, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
     (200, (120, 40, 40), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
     (64, (40, 16, 16), 72, 3, 20, "uniform", 0.1, None, PIPELINED_EXPAND),  # wider than MAX_PIPELINED_RANK
+    # slice boundaries on column tiles (the engine's layers): one dot per tile with its slice's factors
+    (72, (48, 16, 16), 16, 3, 20, "skewed", 0.25, None, PIPELINED_EXPAND),
+    (100, (96, 96), 12, 4, 40, "distinct", 0.1, SPLIT_SHRINK, PIPELINED_EXPAND),
+    (200, (128, 32, 32), 24, 6, 100, "skewed", 0.2, DYNAMIC_SHRINK, PIPELINED_DYNAMIC_EXPAND),
+    (64, (32, 16, 16), 40, 3, 12, "uniform", 0.1, None, PIPELINED_EXPAND),  # ranks past 16: one dot over 64
     # a program per tile the step can have: more adapters' tiles than the fixed grid's programs
     (64, (48, 16), 16, 24, 40, "distinct", 0.1, TILE_PROGRAMS_SHRINK, None),
     # row tiles wider than an adapter's rows (S * rank): a dot as wide as the rows it has there, 16 or 32
