@@ -11,13 +11,14 @@ LoRA kernels of decode steps) has in flight. `--variants` adds the kernel shapes
 beside the engine's: those of `--decode-grid --grid-variants` for steps of up to 256 tokens, those of
 `--prefill-steps` for larger ones.
 
-The numbers depend on the Triton version that compiles (the header names it; a GPU machine may have another).
-It drives Triton's ahead-of-time path (the JIT's argument binder, `JITFunction._pack_args`, `compile`
+The numbers depend on the Triton version that compiles (the header names it) and on the pool's rank width
+(`--rank-width`, default the engine's max_lora_rank): the shrink's row tiles and the pipelined expand's dot follow
+it. It drives Triton's ahead-of-time path (the JIT's argument binder, `JITFunction._pack_args`, `compile`
 with an explicit target) and the `cuobjdump` shipped with Triton's NVIDIA backend; written against Triton 3.6
 and 3.9.
 
     python benchmarks/kernel_resources.py
-    python benchmarks/kernel_resources.py --tokens 256 --layers qkv,gate_up --variants
+    python benchmarks/kernel_resources.py --rank-width 16 --tokens 256 --layers qkv,gate_up --variants
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ from unittest import mock
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
 from lora_kernels import (  # noqa: E402 (one owner of the layers and the shapes timed)
     GRID_EXPAND_VARIANTS, GRID_SHRINK_VARIANTS, LAYERS, STEP_EXPAND_VARIANTS, STEP_SHRINK_VARIANTS)
 
@@ -42,6 +44,7 @@ import loraserve.kernels.launch as launch  # noqa: E402
 import loraserve.kernels.lora_shrink as lora_shrink_module  # noqa: E402
 from loraserve.kernels.lora_expand import (  # noqa: E402
     EXPAND_SMALL_TILE_TOKENS, ExpandConfig, expand_config, lora_expand)
+from loraserve.config import LoRAConfig  # noqa: E402
 from loraserve.kernels.lora_meta import PAGE_RANK  # noqa: E402
 from loraserve.kernels.lora_shrink import ShrinkConfig, lora_shrink, shrink_config  # noqa: E402
 from loraserve.lora.metadata import LoRAMetaBuilder  # noqa: E402
@@ -55,6 +58,7 @@ class SMLimits(NamedTuple):
 
     registers: int = 65536
     register_unit: int = 256  # registers are given to a warp in multiples of this
+    partitions: int = 4  # the register file is split among this many schedulers; a warp's registers sit in one
     warps: int = 64
     programs: int = 32
     shared_bytes: int = 228 * 1024
@@ -70,9 +74,12 @@ class Resources(NamedTuple):
     num_warps: int
 
     def programs_by(self, limits: SMLimits = SMLimits()) -> dict[str, int]:
-        """Programs per SM allowed by registers, shared memory and warps (and the hardware's program limit)."""
+        """Programs per SM allowed by registers, shared memory and warps (and the hardware's program limit). A
+        warp's registers come from one of the register file's partitions, so the warps an SM holds by registers
+        are partitions x the warps one partition holds (as CUDA's occupancy calculator counts)."""
         per_warp = -(-self.registers * WARP // limits.register_unit) * limits.register_unit
-        return {"registers": limits.registers // (per_warp * self.num_warps),
+        warps = limits.partitions * (limits.registers // limits.partitions // per_warp)
+        return {"registers": warps // self.num_warps,
                 "shared": limits.shared_bytes // (self.shared_bytes + limits.shared_reserved),
                 "warps": min(limits.warps // self.num_warps, limits.programs)}
 
@@ -121,22 +128,24 @@ def compile_resources(kernel, args: tuple, named: dict, arch: int = ARCH) -> Res
 
 
 class LayerLaunches:
-    """One packed layer's pool views (rank-16 adapters, pages scattered) and a step's metadata of T tokens, on
-    the CPU: enough to make the engine's launches for it."""
+    """One packed layer's pool views (pages scattered) for a pool of rank width R (max_lora_rank) and a step's
+    metadata of T tokens over 8 rank-16 adapters, on the CPU: enough to make the engine's launches for it. The
+    kernels' shapes follow T and R (not the adapters' number or ranks)."""
 
-    def __init__(self, name: str, num_tokens: int, adapters: int = 8, rank: int = 16):
+    def __init__(self, name: str, num_tokens: int, rank_width: int, adapters: int = 8, rank: int = 16):
         self.hidden, sizes = LAYERS[name]
         self.offsets = (0, *[sum(sizes[:i + 1]) for i in range(len(sizes))])
-        self.num_slices, n_out, per = len(sizes), sum(sizes), rank // PAGE_RANK
+        self.num_slices, n_out, per = len(sizes), sum(sizes), rank_width // PAGE_RANK
         gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(adapters * per, self.num_slices * PAGE_RANK, self.hidden, dtype=torch.bfloat16)
-        self.b = torch.randn(adapters * per, PAGE_RANK, n_out, dtype=torch.bfloat16)
-        table = torch.randperm(adapters * per, generator=gen).to(torch.int32).view(adapters, per)
-        self.ranks = torch.full((adapters,), rank, dtype=torch.int32)
+        pages = adapters * per
+        self.a = torch.randn(pages, self.num_slices * PAGE_RANK, self.hidden, dtype=torch.bfloat16)  # [P, S*8, in]
+        self.b = torch.randn(pages, PAGE_RANK, n_out, dtype=torch.bfloat16)  # [P, 8, N]
+        table = torch.randperm(pages, generator=gen).to(torch.int32).view(adapters, per)  # [adapters, R / 8]
+        self.ranks = torch.full((adapters,), rank, dtype=torch.int32)  # [adapters]
         self.meta = LoRAMetaBuilder(num_tokens, adapters, table).build(torch.arange(num_tokens) % adapters)
-        self.x = torch.randn(num_tokens, self.hidden, dtype=torch.bfloat16)
-        self.inter = torch.empty(num_tokens, self.num_slices * rank)
-        self.y = torch.empty(num_tokens, n_out, dtype=torch.bfloat16)
+        self.x = torch.randn(num_tokens, self.hidden, dtype=torch.bfloat16)  # [T, in]
+        self.inter = torch.empty(num_tokens, self.num_slices * rank_width)  # [T, S*R] float32
+        self.y = torch.empty(num_tokens, n_out, dtype=torch.bfloat16)  # [T, N]
         self.decode = num_tokens <= EXPAND_SMALL_TILE_TOKENS  # the side stream's delta expand
 
     def shrink(self, config: ShrinkConfig | None = None) -> None:
@@ -169,6 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default=",".join(LAYERS), help=f"comma-separated, of {', '.join(LAYERS)}")
     parser.add_argument("--tokens", default="32,256,8192", help="comma-separated token counts of a step")
+    parser.add_argument("--rank-width", type=int, default=LoRAConfig.max_lora_rank,
+                        help="the pool's rank width, max_lora_rank (default: the engine's)")
     parser.add_argument("--variants", action="store_true",
                         help="also the kernel shapes lora_kernels.py times beside the engine's")
     args = parser.parse_args(argv)
@@ -179,6 +190,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.tokens = [int(t) for t in args.tokens.split(",")]
     if any(t < 1 for t in args.tokens):
         parser.error("--tokens must be positive")
+    if args.rank_width < 16 or args.rank_width % PAGE_RANK:
+        parser.error(f"--rank-width must be at least 16 (the adapters' rank) and a multiple of {PAGE_RANK}")
     return args
 
 
@@ -187,12 +200,12 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("kernel_resources.py compiles the kernels: run it without TRITON_INTERPRET=1")
     print(f"Triton {triton.__version__}, sm_{ARCH}: per SM {SMLimits().registers} registers, {SMLimits().warps} "
-          f"warps, {SMLimits().shared_bytes // 1024} KiB shared memory")
+          f"warps, {SMLimits().shared_bytes // 1024} KiB shared memory; pool rank width {args.rank_width}")
     print(f"{'layer':8s} {'T':>5s} {'kernel':7s} {'shape':40s} {'regs':>5s} {'spill':>6s} {'smem KiB':>9s} "
           f"{'warps':>6s} {'programs/SM (regs, smem, warps)':>32s} {'warps/SM':>9s}")
     for name in args.layers:
         for num_tokens in args.tokens:
-            layer = LayerLaunches(name, num_tokens)
+            layer = LayerLaunches(name, num_tokens, args.rank_width)
             for kernel_name, shape, run in shapes(layer, num_tokens, args.variants):
                 (kernel, call_args, named), = captured_launches(run)
                 res = compile_resources(kernel, call_args, named)

@@ -20,6 +20,9 @@ def test_programs_per_sm():
     assert Resources(72, 0, 17 * 1024, 4).programs_per_sm() == 7
     assert Resources(255, 0, 129 * 1024, 4).programs_by()["shared"] == 1
     assert Resources(32, 0, 0, 1).programs_by()["warps"] == 32  # at most 32 programs an SM, whatever their warps
+    # a warp's registers come from one of 4 partitions of 16,384: 86 a thread is 2,816 a warp, 5 warps a partition,
+    # 20 an SM: 10 programs of 2 warps (not 65,536 / 5,632 = 11)
+    assert Resources(86, 0, 0, 2).programs_by()["registers"] == 10
 
 
 @pytest.mark.slow

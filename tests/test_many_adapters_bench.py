@@ -74,7 +74,6 @@ def test_many_adapters_quick(tmp_path):
     assert (tmp_path / "many_adapters.png").exists() or importlib.util.find_spec("matplotlib") is None
 
 
-
 def test_decode_waves():
     """Runs of decode-only steps with about the same distinct adapters, each step after a decode-only one; a prompt
     step, the step right after it and a jump in distinct adapters end a wave; runs shorter than WAVE_MIN_STEPS

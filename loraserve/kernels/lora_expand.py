@@ -224,7 +224,7 @@ def _expand_item_pipelined(first_col_tile, num_col_tiles, inter_rows, y_rows, to
         b = tl.load(b_rows + cols[None, :] * stride_bn, mask=r_ok[:, None] & col_ok[None, :],
                     other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
         if SLICES_ALIGNED:  # the tile's slice: the last whose first column is at most col0
-            a = a0
+            a = a0  # [BLOCK_M, BLOCK_R]: the factors of the tile's slice
             if NUM_SLICES > 1:
                 a = tl.where(col0 >= SLICE_OFFSETS[1], a1, a)
             if NUM_SLICES > 2:
