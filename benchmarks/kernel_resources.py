@@ -37,8 +37,8 @@ import triton
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [p for p in (str(ROOT), str(ROOT / "benchmarks")) if p not in sys.path]
-from lora_kernels import (  # noqa: E402 (one owner of the layers and the shapes timed)
-    GRID_EXPAND_VARIANTS, GRID_SHRINK_VARIANTS, LAYERS, STEP_EXPAND_VARIANTS, STEP_SHRINK_VARIANTS)
+from lora_kernels import (  # noqa: E402 (one owner of the layers, their pools and the shapes timed)
+    GRID_EXPAND_VARIANTS, GRID_SHRINK_VARIANTS, LAYERS, STEP_EXPAND_VARIANTS, STEP_SHRINK_VARIANTS, PoolLayer)
 
 import loraserve.kernels.launch as launch  # noqa: E402
 import loraserve.kernels.lora_shrink as lora_shrink_module  # noqa: E402
@@ -133,26 +133,19 @@ class LayerLaunches:
     kernels' shapes follow T and R (not the adapters' number or ranks)."""
 
     def __init__(self, name: str, num_tokens: int, rank_width: int, adapters: int = 8, rank: int = 16):
-        self.hidden, sizes = LAYERS[name]
-        self.offsets = (0, *[sum(sizes[:i + 1]) for i in range(len(sizes))])
-        self.num_slices, n_out, per = len(sizes), sum(sizes), rank_width // PAGE_RANK
-        gen = torch.Generator().manual_seed(0)
-        pages = adapters * per
-        self.a = torch.randn(pages, self.num_slices * PAGE_RANK, self.hidden, dtype=torch.bfloat16)  # [P, S*8, in]
-        self.b = torch.randn(pages, PAGE_RANK, n_out, dtype=torch.bfloat16)  # [P, 8, N]
-        table = torch.randperm(pages, generator=gen).to(torch.int32).view(adapters, per)  # [adapters, R / 8]
-        self.ranks = torch.full((adapters,), rank, dtype=torch.int32)  # [adapters]
-        self.meta = LoRAMetaBuilder(num_tokens, adapters, table).build(torch.arange(num_tokens) % adapters)
+        self.pool = PoolLayer(name, adapters, rank_width, [rank], torch.Generator().manual_seed(0), device="cpu")
+        self.hidden, self.num_slices = self.pool.hidden, self.pool.num_slices
+        self.meta = LoRAMetaBuilder(num_tokens, adapters, self.pool.table).build(torch.arange(num_tokens) % adapters)
         self.x = torch.randn(num_tokens, self.hidden, dtype=torch.bfloat16)  # [T, in]
         self.inter = torch.empty(num_tokens, self.num_slices * rank_width)  # [T, S*R] float32
-        self.y = torch.empty(num_tokens, n_out, dtype=torch.bfloat16)  # [T, N]
+        self.y = torch.empty(num_tokens, self.pool.n_out, dtype=torch.bfloat16)  # [T, N]
         self.decode = num_tokens <= EXPAND_SMALL_TILE_TOKENS  # the side stream's delta expand
 
     def shrink(self, config: ShrinkConfig | None = None) -> None:
-        lora_shrink(self.x, self.a, self.ranks, self.meta, self.num_slices, self.inter, config)
+        lora_shrink(self.x, self.pool.a, self.pool.rank, self.meta, self.num_slices, self.inter, config)
 
     def expand(self, config: ExpandConfig | None = None) -> None:
-        lora_expand(self.inter, self.b, self.ranks, self.meta, self.offsets, self.y, config,
+        lora_expand(self.inter, self.pool.b, self.pool.rank, self.meta, self.pool.offsets, self.y, config,
                     overwrite=self.decode, after_shrink=True)
 
 

@@ -372,20 +372,22 @@ DEV = "cuda"  # the device of the grid and prefill timings
 
 class PoolLayer:
     """One packed layer's pool views for `adapters` adapters of rank_max (pages scattered), as the engine's
-    pool holds them: A [P, S*PAGE_RANK, in], B [P, PAGE_RANK, N], the page table and each adapter's rank."""
+    pool holds them: A [P, S*PAGE_RANK, in], B [P, PAGE_RANK, N], the page table and each adapter's rank; on
+    `device` (default DEV)."""
 
-    def __init__(self, name, adapters, rank_max, ranks, gen):
+    def __init__(self, name, adapters, rank_max, ranks, gen, device=None):
+        device = DEV if device is None else device
         self.name = name
         self.hidden, sizes = LAYERS[name]
         self.offsets = tuple(int(o) for o in np.concatenate([[0], np.cumsum(sizes)]))
         self.n_out, self.num_slices = self.offsets[-1], len(sizes)
         per = -(-rank_max // PAGE_RANK)
         pages = adapters * per
-        self.a = torch.randn(pages, self.num_slices * PAGE_RANK, self.hidden, device=DEV, dtype=DTYPE) / 64
-        self.b = torch.randn(pages, PAGE_RANK, self.n_out, device=DEV, dtype=DTYPE) / 4
-        self.table = torch.randperm(pages, generator=gen).view(adapters, per).to(DEV, torch.int32)
+        self.a = torch.randn(pages, self.num_slices * PAGE_RANK, self.hidden, device=device, dtype=DTYPE) / 64
+        self.b = torch.randn(pages, PAGE_RANK, self.n_out, device=device, dtype=DTYPE) / 4
+        self.table = torch.randperm(pages, generator=gen).view(adapters, per).to(device, torch.int32)
         self.ranks = [ranks[i % len(ranks)] for i in range(adapters)]
-        self.rank = torch.tensor(self.ranks, dtype=torch.int32, device=DEV)
+        self.rank = torch.tensor(self.ranks, dtype=torch.int32, device=device)
         self.rank_max = rank_max
 
     def adapter_bytes(self, ids):

@@ -206,15 +206,15 @@ def decoder_layer_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for name, p in model.named_parameters() if ".layers." in name and p.dim() >= 2)
 
 
-def run_floor(engine, steps: list[throughput.StepRecord], adapter_sizes: dict[str, int], ceilings: Ceilings) -> dict:
-    """The floor of the recorded steps, summed: per step max(bytes / bandwidth, FLOPs / GEMM rate)."""
+def run_floor(engine, steps: list[throughput.StepRecord], adapter_bytes: list[int], ceilings: Ceilings) -> dict:
+    """The floor of the recorded steps, summed: per step max(bytes / bandwidth, FLOPs / GEMM rate); adapter_bytes:
+    per step the bytes of its distinct adapters."""
     weights, kv_token = bc.weight_bytes(engine.runner.model), bc.kv_bytes_per_token(engine)
     params = decoder_layer_params(engine.runner.model)
     total = {"weight_bytes": 0, "kv_bytes": 0, "adapter_bytes": 0, "flops": 0, "byte_floor_s": 0.0,
              "flop_floor_s": 0.0, "floor_s": 0.0}
-    for step in steps:
+    for step, adapters in zip(steps, adapter_bytes):
         kv = step.context_tokens * kv_token
-        adapters = sum(adapter_sizes[name] for name in step.adapters)
         flops = 2 * params * step.prefill_tokens
         byte_s, flop_s = (weights + kv + adapters) / ceilings.bandwidth, flops / ceilings.gemm_rate
         for key, value in (("weight_bytes", weights), ("kv_bytes", kv), ("adapter_bytes", adapters),
@@ -373,7 +373,8 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
     after = engine.stats()
     steps = log.steps
     manager = engine.lora_manager
-    floor = run_floor(engine, steps, sizes, ceilings)
+    step_adapter_bytes = [sum(sizes[name] for name in s.adapters) for s in steps]  # the distinct adapters' A + B
+    floor = run_floor(engine, steps, step_adapter_bytes, ceilings)
     decode_steps = [s.num_decode for s in steps if s.num_decode]
     step_trace = log.trace(end)
     out_tokens = sum(len(t) for t in times.values())
@@ -398,8 +399,7 @@ def run_engine(args, device, trace: Trace, files: AdapterFiles, ceilings: Ceilin
         "pool_bytes_used_peak": max([s.pool_bytes_used for s in steps] + [after.lora_pool_bytes_used]),
         "pool_bytes_total": after.lora_pool_bytes_total,
         "step_seconds": log.seconds_by_kind(end), "step_trace": step_trace,
-        "decode_waves": decode_waves(step_trace, [sum(sizes[n] for n in s.adapters) for s in steps],
-                                     ceilings.bandwidth),
+        "decode_waves": decode_waves(step_trace, step_adapter_bytes, ceilings.bandwidth),
         **latency(trace, times, classes)}
     del engine, steps, log, manager
     bc.release_memory()

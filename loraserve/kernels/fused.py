@@ -340,26 +340,22 @@ def _silu_and_mul_lora_kernel(
         tok_ok = (offs_m < count) & (tok >= 0) & (tok < num_tokens)
         tok = tok.to(tl.int64)
         page_row = page_ptr + tl.maximum(adapter, 0).to(tl.int64) * stride_pa
-        if COL_STAGES == 1 or BLOCK_R <= 16:
-            _silu_lora_columns(
-                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
-                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
-                BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
-        elif rank <= 16:
+        # a call site per dot width (a constexpr); `and` after a constexpr False prunes the branch at compile time
+        if COL_STAGES > 1 and BLOCK_R > 16 and rank <= 16:
             _silu_lora_columns(
                 in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
                 stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
                 BLOCK_M, BLOCK_N, 16, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
-        elif BLOCK_R <= 32 or rank > 32:
-            _silu_lora_columns(
-                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
-                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
-                BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
-        else:
+        elif COL_STAGES > 1 and BLOCK_R > 32 and rank <= 32:
             _silu_lora_columns(
                 in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
                 stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
                 BLOCK_M, BLOCK_N, 32, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
+        else:
+            _silu_lora_columns(
+                in_ptr, out_ptr, stride_in, stride_out, inter, tok, tok_ok, rank, page_row, f_ptr, stride_ft,
+                stride_fr, rank_width, b_ptr, stride_bp, stride_br, stride_bn,
+                BLOCK_M, BLOCK_N, BLOCK_R, COL_TILES, COL_STAGES, PRECISION, PAGE, LIBDEVICE_EXP, GELU_TANH)
         tile += tl.num_programs(1)
         slot, m_tile = next_slot, next_m_tile
 

@@ -111,6 +111,12 @@ def expand_config(num_tokens: int) -> ExpandConfig:
     return ExpandConfig(32, 128, 16, num_warps=4)
 
 
+@functools.lru_cache(maxsize=4096)  # pure, called for every eager launch
+def _slices_aligned(slice_offsets: tuple[int, ...], block_n: int) -> bool:
+    """Whether every slice boundary of a packed output falls on a column tile (a tile then lies in one slice)."""
+    return all(offset % block_n == 0 for offset in slice_offsets[1:-1])
+
+
 @triton.jit
 def _rank_step(acc, page, offs_r, r_ok, inter_rows, b_ptr, tok_ok, cols, col_ok, s, rank_max,
                stride_ir, stride_bp, stride_br, stride_bn, PRECISION: tl.constexpr, PAGE: tl.constexpr):
@@ -429,7 +435,7 @@ def lora_expand(inter: torch.Tensor, lora_b: torch.Tensor, lora_rank: torch.Tens
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, COL_TILES=cfg.col_tiles,
         PRECISION=dot_precision(lora_b.dtype), OVERWRITE=overwrite, PAGE=PAGE_RANK, DYNAMIC=cfg.dynamic,
         HOIST_PAGES=cfg.hoist_pages, COL_STAGES=col_stages,
-        SLICES_ALIGNED=all(o % cfg.block_n == 0 for o in offsets[1:-1]),
+        SLICES_ALIGNED=_slices_aligned(offsets, cfg.block_n),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y, wanted=after_shrink),
     )
 

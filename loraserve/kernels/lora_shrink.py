@@ -201,33 +201,27 @@ def _shrink_item(
     rank, count, start, adapter = slot_work(slot, rank_ptr, start_ptr, count_ptr, adapter_ptr)
     rows_left = num_slices * rank - n_tile * BLOCK_N  # the adapter's rows from this row tile on
     if rows_left > 0:  # else: every row lies beyond the adapter's rank
-        if BLOCK_N <= 16:
-            _shrink_rows(
-                tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
-                x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
-                rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
-                PAGE)
-        elif rows_left <= 16:
+        # a call site per dot width (a constexpr); `and` after a constexpr False prunes the branch at compile time
+        if BLOCK_N > 16 and rows_left <= 16:
             _shrink_rows(
                 tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
                 x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
                 rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
                 stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, 16, BLOCK_K, SPLIT_K, PRECISION,
                 PAGE)
-        elif BLOCK_N <= 32 or rows_left > 32:
+        elif BLOCK_N > 32 and rows_left <= 32:
             _shrink_rows(
                 tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
                 x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
                 rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
+                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, 32, BLOCK_K, SPLIT_K, PRECISION,
                 PAGE)
         else:
             _shrink_rows(
                 tile, m_tile, n_tile, split, split_k, k_per_split, rank, count, start, adapter,
                 x_ptr, a_ptr, sorted_ptr, page_ptr, part_ptr, out_ptr, counter_ptr, num_tokens, hidden, num_slices,
                 rank_max, stride_xt, stride_xk, stride_ap, stride_an, stride_ak, stride_pa, stride_ps, stride_pt,
-                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, 32, BLOCK_K, SPLIT_K, PRECISION,
+                stride_pn, stride_ot, stride_on, stride_ct, BLOCK_M, BLOCK_N, BLOCK_N, BLOCK_K, SPLIT_K, PRECISION,
                 PAGE)
 
 
